@@ -1,0 +1,1 @@
+"""Checkpoint formats: safetensors (Hugging Face folders) and GGUF, behind one `TensorRef`."""

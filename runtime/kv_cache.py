@@ -1,0 +1,85 @@
+"""A preallocated KV cache with a committed length and O(1), exact rollback.
+
+Two integers describe it: ``length`` (committed: target-computed, accepted positions) and
+``filled`` (positions holding valid data, committed or not). Draft passes write past ``length``;
+``rollback(length)`` drops them by moving ``filled`` back, without touching memory. A pass may only
+start at or before ``filled`` (no gaps), so keys a query attends to are always valid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import KVCacheError
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
+        if capacity <= 0:
+            raise KVCacheError(f"KV cache capacity must be positive (got {capacity})")
+        self.capacity = capacity
+        # [kv_heads, positions, head_dim] per layer: one head's keys are contiguous for attention.
+        self.keys = [np.zeros((num_kv_heads, capacity, head_dim), dtype) for _ in range(num_layers)]
+        self.values = [np.zeros((num_kv_heads, capacity, head_dim), dtype) for _ in range(num_layers)]
+        self.length = 0
+        self.filled = 0
+
+    @classmethod
+    def for_config(cls, config, capacity: int) -> "KVCache":
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    def begin_write(self, start: int, count: int) -> None:
+        """Called by the forward pass before writing positions [start, start + count)."""
+        if not 0 <= start <= self.filled:
+            raise KVCacheError(f"KV write at position {start} leaves a gap (valid positions end at {self.filled})")
+        if start + count > self.capacity:
+            raise KVCacheError(
+                f"KV cache full: positions up to {start + count} requested, capacity {self.capacity}; "
+                "lower --max-tokens or the prompt length"
+            )
+        # Anything after this pass is stale once we overwrite from `start`.
+        self.filled = start + count
+        self.length = min(self.length, start)
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """k, v: [kv_heads, count, head_dim]."""
+        end = start + k.shape[1]
+        self.keys[layer][:, start:end] = k
+        self.values[layer][:, start:end] = v
+
+    def view(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def commit(self, upto: int) -> None:
+        """Mark positions [0, upto) as committed (they must have been written)."""
+        if not self.length <= upto <= self.filled:
+            raise KVCacheError(f"cannot commit to {upto}: committed {self.length}, valid up to {self.filled}")
+        self.length = upto
+
+    def rollback(self, to: int) -> int:
+        """Drop every position >= ``to`` (committed or draft). O(1). Returns how many were dropped."""
+        if not 0 <= to <= self.filled:
+            raise KVCacheError(f"cannot roll back to {to}: valid positions are 0..{self.filled}")
+        dropped = self.filled - to
+        self.filled = to
+        self.length = min(self.length, to)
+        return dropped
+
+    def trim(self, n: int) -> int:
+        """Remove the last ``n`` valid positions (mlx-lm's spelling); returns ``n`` or raises."""
+        if not 0 <= n <= self.filled:
+            raise KVCacheError(f"cannot trim {n} positions from a cache holding {self.filled}")
+        return self.rollback(self.filled - n)
+
+    def discard_uncommitted(self) -> int:
+        return self.rollback(self.length)
+
+    def copy_prefix_from(self, other: "KVCache", upto: int) -> None:
+        """Copy committed positions [0, upto) from another cache (a draft's private cache syncs this way)."""
+        for dst, src in zip(self.keys + self.values, other.keys + other.values):
+            dst[:, :upto] = src[:, :upto]
+        self.filled = self.length = upto
