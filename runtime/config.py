@@ -143,6 +143,13 @@ def common_hf_fields(cfg: ConfigReader) -> dict[str, Any]:
     )
 
 
+def _from_f32(value: float) -> float:
+    """GGUF stores float32: 1e-5 comes back as 9.99999975e-06; take its shortest float32 spelling."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
 def common_gguf_fields(meta: ConfigReader, arch: str) -> dict[str, Any]:
     """GGUF keys are `<arch>.<field>`; shared by every llama.cpp MoE architecture."""
     a = arch
@@ -157,8 +164,8 @@ def common_gguf_fields(meta: ConfigReader, arch: str) -> dict[str, Any]:
         head_dim=meta.get(f"{a}.attention.key_length", default=None) or hidden // heads,
         num_experts=meta.get(f"{a}.expert_count"),
         top_k=meta.get(f"{a}.expert_used_count"),
-        rms_norm_eps=meta.get(f"{a}.attention.layer_norm_rms_epsilon", default=1e-5, kind=float),
-        rope_theta=meta.get(f"{a}.rope.freq_base", default=10000.0, kind=float),
+        rms_norm_eps=_from_f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", default=1e-5, kind=float)),
+        rope_theta=_from_f32(meta.get(f"{a}.rope.freq_base", default=10000.0, kind=float)),
         max_position_embeddings=meta.get(f"{a}.context_length", default=4096),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id", default=None),
         eos_token_ids=token_ids(meta.data.get("tokenizer.ggml.eos_token_id")),

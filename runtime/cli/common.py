@@ -1,0 +1,44 @@
+"""Pieces the commands share: model resolution, the stderr console, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from ..errors import UsageError
+
+# stdout stays parseable (generated text, JSON); tables, progress and hints go to stderr.
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False)
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_MODEL = ASSETS / "default-moe"
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    if (DEFAULT_MODEL / "config.json").exists():
+        return str(DEFAULT_MODEL)
+    raise UsageError("no --model given and no default model is installed; pass --model PATH (HF folder or .gguf)")
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=_jsonable) + "\n")
+    sys.stdout.flush()
+
+
+def _jsonable(x):
+    import numpy as np
+
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    raise TypeError(type(x).__name__)

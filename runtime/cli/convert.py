@@ -1,0 +1,33 @@
+"""`s2moe convert --to gguf`: write a model as GGUF (llama.cpp names; merged or split experts)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from .common import err, resolve_model
+from .errors import cli_errors
+
+
+def convert(
+    out_path: str = typer.Option(..., "--out", "-o", help="Output .gguf file."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="HF folder (default: the embedded model)."),
+    to: str = typer.Option("gguf", "--to", help="Target format (gguf)."),
+    tensor_type: str = typer.Option("F16", "--type", help="F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1."),
+    expert_type: Optional[str] = typer.Option(None, "--expert-type", help="Type for expert tensors (default: --type)."),
+    split_experts: bool = typer.Option(False, "--split-experts", help="One tensor per (layer, expert, projection)."),
+):
+    """Convert a model to GGUF."""
+    with cli_errors():
+        from ..errors import UsageError
+        from ..experts import ExpertStore
+        from ..formats.gguf_writer import write_gguf
+        from ..loader import load_model
+
+        if to.lower() != "gguf":
+            raise UsageError(f"--to {to}: only 'gguf' is supported")
+        loaded = load_model(resolve_model(model))
+        store = ExpertStore(loaded)
+        write_gguf(loaded, out_path, store.read, tensor_type, expert_type, split_experts, loaded.tokenizer_path)
+        err.print(f"wrote {out_path}")

@@ -1,0 +1,175 @@
+"""Write a loaded model as GGUF with llama.cpp's names and conventions (via the `gguf` writer).
+
+Experts can be written merged (`blk.L.ffn_gate_exps.weight`, llama.cpp's default) or split one
+tensor per (layer, expert, projection) (`blk.L.ffn_gate.NNN.weight`, the published S²-MoE fork).
+Norms and the router stay F32 (llama.cpp's habit); 2-D weights take the requested type where
+their rows divide into its blocks, else F16. The file is written to a temp name, then renamed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import UsageError
+from ..loader import LoadedModel
+
+GGUF_ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation for interleaved RoPE (arch `llama`)."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _named_tensors(model: LoadedModel, read_expert, split_experts: bool) -> Iterator[tuple[str, np.ndarray, bool]]:
+    """(GGUF name, float32 array, is_expert) in llama.cpp's order."""
+    c, d = model.config, model.dense
+    permute = c.arch == "mixtral"
+    yield "token_embd.weight", d["embed"], False
+    yield "output_norm.weight", d["norm"], False
+    if not c.tie_word_embeddings:
+        yield "output.weight", d["lm_head"], False
+    gguf_names = {
+        "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight", "q": "attn_q.weight",
+        "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight", "q_norm": "attn_q_norm.weight",
+        "k_norm": "attn_k_norm.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+        "router": "ffn_gate_inp.weight", "mlp_gate": "ffn_gate.weight", "mlp_up": "ffn_up.weight",
+        "mlp_down": "ffn_down.weight",
+    }
+    for L in range(c.num_layers):
+        for canon, gname in gguf_names.items():
+            w = d.get(f"layers.{L}.{canon}")
+            if w is None:
+                continue
+            if permute and canon in ("q", "k"):
+                w = _permute_qk(w, c.num_heads if canon == "q" else c.num_kv_heads)
+            yield f"blk.{L}.{gname}", w, False
+        if not c.moe_layers[L]:
+            continue
+        experts = [read_expert(L, e) for e in range(c.num_experts)]
+        for proj in ("gate", "up", "down"):
+            if split_experts:
+                for e, w in enumerate(experts):
+                    yield f"blk.{L}.ffn_{proj}.{e:03d}.weight", getattr(w, proj), True
+            else:
+                yield f"blk.{L}.ffn_{proj}_exps.weight", np.stack([getattr(w, proj) for w in experts]), True
+
+
+def _encode(name: str, w: np.ndarray, kind: str):
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if w.ndim == 1 or "ffn_gate_inp" in name or "norm" in name:
+        return w.astype(np.float32), None
+    if kind == "F32":
+        return w.astype(np.float32), None
+    if kind == "F16":
+        return w.astype(np.float16), None
+    qtype = GGMLQuantizationType[kind]
+    block = GGML_QUANT_SIZES[qtype][0]
+    if w.shape[-1] % block:
+        return w.astype(np.float16), None  # rows too short for this block size: llama.cpp falls back too
+    return quantize(w.astype(np.float32), qtype), qtype
+
+
+def write_gguf(
+    model: LoadedModel,
+    out_path: str,
+    read_expert,
+    tensor_type: str = "F16",
+    expert_type: str | None = None,
+    split_experts: bool = False,
+    tokenizer_json: str | None = None,
+    raw_overrides: dict | None = None,
+) -> str:
+    """Write ``model`` to ``out_path``. ``read_expert(L, e)`` returns an `ExpertWeights`.
+
+    ``raw_overrides`` maps a GGUF tensor name to (uint8 block data, GGMLQuantizationType) written
+    as-is (used by tests to store block types the `gguf` package cannot quantise, such as Q4_K).
+    """
+    import gguf
+
+    tensor_type = tensor_type.upper()
+    expert_type = (expert_type or tensor_type).upper()
+    for t in (tensor_type, expert_type):
+        if t not in TYPES:
+            raise UsageError(f"--type {t}: not a GGUF type this writer can produce (choose from {', '.join(TYPES)})")
+    c = model.config
+    arch = GGUF_ARCH[c.arch]
+    folder = os.path.dirname(os.path.abspath(out_path))
+    fd, tmp = tempfile.mkstemp(prefix=".s2moe-", suffix=".gguf.tmp", dir=folder)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, arch)
+        w.add_name(os.path.basename(model.path.rstrip("/")))
+        w.add_block_count(c.num_layers)
+        w.add_context_length(c.max_position_embeddings)
+        w.add_embedding_length(c.hidden_size)
+        w.add_head_count(c.num_heads)
+        w.add_head_count_kv(c.num_kv_heads)
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        w.add_rope_freq_base(c.rope_theta)
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.top_k)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+        w.add_vocab_size(c.vocab_size)
+        w.add_expert_feed_forward_length(c.expert_intermediate_size)
+        w.add_feed_forward_length(c.dense_intermediate_size or c.expert_intermediate_size)
+        if c.clip_qkv is not None:
+            w.add_clamp_kqv(c.clip_qkv)
+        if c.bos_token_id is not None:
+            w.add_bos_token_id(c.bos_token_id)
+        if c.eos_token_ids:
+            w.add_eos_token_id(c.eos_token_ids[0])
+        if tokenizer_json:
+            _add_tokenizer(w, tokenizer_json)
+        overrides = raw_overrides or {}
+        for name, tensor, is_expert in _named_tensors(model, read_expert, split_experts):
+            if name in overrides:
+                data, qtype = overrides[name]
+                w.add_tensor(name, data, raw_dtype=qtype)
+                continue
+            data, qtype = _encode(name, tensor, expert_type if is_expert else tensor_type)
+            w.add_tensor(name, data, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out_path
+
+
+def _add_tokenizer(w, tokenizer_json: str) -> None:
+    """A byte-level BPE `tokenizer.json` as GGUF's `gpt2` tokenizer (tokens, merges, types)."""
+    import json
+
+    with open(tokenizer_json, encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model", {})
+    if model.get("type") != "BPE":
+        raise UsageError(f"{tokenizer_json}: only BPE tokenizers can be embedded in GGUF (found {model.get('type')})")
+    vocab: dict[str, int] = dict(model["vocab"])
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    vocab.update(special)
+    size = max(vocab.values()) + 1
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    for tok, i in vocab.items():
+        tokens[i] = tok
+    types = [3 if t in special else 1 for t in tokens]  # 3 = control, 1 = normal
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tiny_models as tm  # noqa: E402
+
+CORPUS = (
+    "def add(a, b):\n    return a + b\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n"
+    "The quick brown fox jumps over the lazy dog. import os\nprint('hello world')\n"
+) * 20
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_json(tmp_path_factory) -> str:
+    """A byte-level BPE tokenizer whose ids fit the tiny models' 384-token vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=380, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    assert tok.get_vocab_size() <= 381
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tiny_tokenizer_json):
+    """family -> (torch model, per-expert folder, fused folder); folders carry the tokenizer."""
+    import shutil
+
+    out = {}
+    for family in tm.FAMILIES:
+        model = tm.build(family)
+        base = tmp_path_factory.mktemp(family)
+        per_expert = tm.save(model, base / "per_expert", fused=False)
+        fused = tm.save(model, base / "fused", fused=True)
+        for folder in (per_expert, fused):
+            shutil.copy(tiny_tokenizer_json, os.path.join(folder, "tokenizer.json"))
+        out[family] = (model, per_expert, fused)
+    return out
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
