@@ -50,7 +50,8 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.top_p < 1:
         order = np.argsort(-p, kind="stable")
         cum = np.cumsum(p[order])
-        cutoff = np.searchsorted(cum, params.top_p) + 1  # smallest prefix reaching top_p
+        # smallest prefix reaching top_p (a hair of slack so 0.5 + 0.3 "reaches" 0.8 in floats)
+        cutoff = np.searchsorted(cum, params.top_p - 1e-12) + 1
         nucleus = np.zeros_like(keep)
         nucleus[order[:cutoff]] = True
         keep &= nucleus

@@ -1,0 +1,130 @@
+"""The `s2moe` CLI end to end, including bad input: one line, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_models as tm
+
+
+def s2moe(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "s2moe.runtime.cli", *args], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_run_json_equals_transformers_greedy(tiny_model_dirs):
+    from tokenizers import Tokenizer
+
+    torch_model, folder, _ = tiny_model_dirs["qwen3_moe"]
+    r = s2moe("run", "--model", folder, "--prompt", "def add(a, b):", "--max-tokens", "10", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    assert out["prompt_tokens"] == tok.encode("def add(a, b):").ids
+    with torch.no_grad():
+        ref = torch_model.generate(torch.tensor([out["prompt_tokens"]]), max_new_tokens=10, do_sample=False)
+    assert out["tokens"] == ref[0, len(out["prompt_tokens"]):].tolist()
+    assert out["text"] == tok.decode(out["tokens"])
+    assert out["stats"]["generated_tokens"] == len(out["tokens"])
+
+
+def test_run_streams_text_and_summary(tiny_model_dirs):
+    _, folder, _ = tiny_model_dirs["olmoe"]
+    r = s2moe("run", "-m", folder, "-p", "import os", "-n", "6", "--temperature", "0.8", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert "decode" in r.stderr and "tok/s" in r.stderr
+    again = s2moe("run", "-m", folder, "-p", "import os", "-n", "6", "--temperature", "0.8", "--seed", "3")
+    assert again.stdout == r.stdout  # seeded sampling is reproducible
+
+
+def test_info_json(tiny_model_dirs):
+    _, _, fused = tiny_model_dirs["mixtral"]
+    r = s2moe("info", "--model", fused, "--json")
+    assert r.returncode == 0, r.stderr
+    facts = json.loads(r.stdout)
+    c = tm.make_config("mixtral")
+    assert facts["architecture"] == "mixtral" and facts["expert_layout"] == "fused"
+    assert facts["experts_per_layer"] == 8 and facts["top_k"] == 2 and facts["layers"] == 2
+    per_expert = 3 * c.hidden_size * c.intermediate_size
+    assert facts["expert_bytes_stored"] == per_expert * 4  # float32 checkpoint
+    assert facts["expert_bytes_resident"] == per_expert * 4
+    table = s2moe("info", "--model", fused)
+    assert table.returncode == 0 and "expert_bytes_stored" in table.stdout
+
+
+def _resave(folder, dst, edit):
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(folder, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return str(dst)
+
+
+def _bad_inputs(folder, tmp):
+    def drop(t):
+        del t["model.layers.1.self_attn.k_proj.weight"]
+
+    def reshape(t):
+        t["model.layers.0.mlp.gate.weight"] = np.zeros((5, 64), np.float32)
+
+    unknown = shutil.copytree(folder, tmp / "unknown")
+    cfg = json.load(open(unknown / "config.json"))
+    cfg["model_type"] = "gpt2"
+    json.dump(cfg, open(unknown / "config.json", "w"))
+    truncated = shutil.copytree(folder, tmp / "truncated")
+    size = os.path.getsize(truncated / "model.safetensors")
+    os.truncate(truncated / "model.safetensors", size // 2)
+    text = tmp / "notes.txt"
+    text.write_text("not a model\n")
+    return {
+        "missing tensor": (_resave(folder, tmp / "missing", drop), "missing tensor model.layers.1.self_attn.k_proj.weight"),
+        "wrong shape": (_resave(folder, tmp / "shape", reshape), "has shape [5, 64]"),
+        "unknown architecture": (str(unknown), "model_type 'gpt2' is not supported"),
+        "truncated file": (str(truncated), "truncated"),
+        "non-model file": (str(text), "not a model"),
+        "truncated gguf": (None, "GGUF"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing tensor", "wrong shape", "unknown architecture", "truncated file",
+                                  "non-model file", "truncated gguf"])
+def test_bad_model_gives_one_line_error(tiny_model_dirs, tmp_path, case):
+    _, folder, _ = tiny_model_dirs["olmoe"]
+    path, needle = _bad_inputs(folder, tmp_path)[case]
+    if path is None:
+        from s2moe.runtime.experts import ExpertStore
+        from s2moe.runtime.formats.gguf_writer import write_gguf
+        from s2moe.runtime.loader import load_model
+
+        loaded = load_model(folder)
+        path = str(tmp_path / "cut.gguf")
+        write_gguf(loaded, path, ExpertStore(loaded).read, "F32")
+        os.truncate(path, os.path.getsize(path) - 1000)
+    r = s2moe("run", "--model", path, "--prompt", "x")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert needle in lines[0] and os.path.basename(path) in lines[0]
+    assert "Traceback" not in r.stderr
+    debug = s2moe("run", "--model", path, "--prompt", "x", env={"S2MOE_DEBUG": "1"})
+    assert "Traceback" in debug.stderr
+
+
+def test_missing_model_and_bad_flag(tmp_path):
+    r = s2moe("run", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
+    r = s2moe("run", "--model", str(tmp_path), "--prompt", "x", "--top-p", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr

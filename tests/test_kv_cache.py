@@ -1,0 +1,58 @@
+import numpy as np
+import pytest
+
+from s2moe.runtime.errors import KVCacheError
+from s2moe.runtime.kv_cache import KVCache
+
+
+def make():
+    return KVCache(num_layers=2, num_kv_heads=1, head_dim=2, capacity=8)
+
+
+def test_draft_writes_stay_uncommitted_and_rollback_is_exact():
+    kv = make()
+    kv.begin_write(0, 4)
+    kv.commit(4)
+    kv.begin_write(4, 3)  # draft
+    assert (kv.length, kv.filled) == (4, 7)
+    assert kv.rollback(kv.length) == 3
+    assert (kv.length, kv.filled) == (4, 4)
+    assert kv.trim(2) == 2 and (kv.length, kv.filled) == (2, 2)
+
+
+@pytest.mark.parametrize("bad", [-1, 5])
+def test_invalid_rollback_raises(bad):
+    kv = make()
+    kv.begin_write(0, 4)
+    with pytest.raises(KVCacheError):
+        kv.rollback(bad)
+    with pytest.raises(KVCacheError):
+        kv.trim(5)
+
+
+def test_gap_overflow_and_bad_commit_raise():
+    kv = make()
+    kv.begin_write(0, 2)
+    with pytest.raises(KVCacheError, match="gap"):
+        kv.begin_write(3, 1)
+    with pytest.raises(KVCacheError, match="full"):
+        kv.begin_write(2, 7)
+    with pytest.raises(KVCacheError):
+        kv.commit(3)
+
+
+def test_rewrite_inside_committed_region_uncommits_the_tail():
+    kv = make()
+    kv.begin_write(0, 6)
+    kv.commit(6)
+    kv.begin_write(3, 1)  # recomputing position 3 invalidates 4, 5
+    assert (kv.length, kv.filled) == (3, 4)
+
+
+def test_write_and_view_round_trip():
+    kv = make()
+    kv.begin_write(0, 3)
+    k = np.arange(6, dtype=np.float32).reshape(1, 3, 2)
+    kv.write(1, 0, k, -k)
+    keys, values = kv.view(1, 3)
+    assert np.array_equal(keys, k) and np.array_equal(values, -k)
