@@ -1,0 +1,119 @@
+"""Benchmark records (llama-bench style): raw per-repetition samples, machine info, commit.
+
+One list of records renders as a rich table, JSON or CSV; the record is the schema.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+
+def machine_info() -> dict:
+    from s2moe.calib.device import probe
+
+    facts = probe().to_dict()
+    facts.update(python=sys.version.split()[0], numpy=_version("numpy"))
+    facts["blas"] = _blas()
+    return facts
+
+
+def _version(mod: str) -> str:
+    try:
+        return __import__(mod).__version__
+    except Exception:
+        return "?"
+
+
+def _blas() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+
+        return ", ".join(f"{i['internal_api']} {i.get('version')} ({i['num_threads']} threads)" for i in threadpool_info())
+    except Exception:
+        return "?"
+
+
+def git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "") if sha else "unknown"
+    except OSError:
+        return "unknown"
+
+
+@dataclass
+class Record:
+    benchmark: str
+    name: str  # what was measured (method, configuration)
+    unit: str
+    samples: list[float]
+    params: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+    commit: str = field(default_factory=git_commit)
+    date: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples) if self.samples else float("nan")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["median"] = self.median
+        return d
+
+
+def to_json(records: list[Record], machine: dict) -> str:
+    return json.dumps({"machine": machine, "records": [r.to_dict() for r in records]}, indent=2)
+
+
+def to_csv(records: list[Record]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["benchmark", "name", "unit", "median", "n", "samples", "params", "commit", "date"])
+    for r in records:
+        w.writerow([r.benchmark, r.name, r.unit, f"{r.median:.6g}", len(r.samples),
+                    " ".join(f"{s:.6g}" for s in r.samples), json.dumps(r.params), r.commit, r.date])
+    return buf.getvalue()
+
+
+def to_table(records: list[Record], title: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("name", "median", "unit", "n", "min", "max"):
+        t.add_column(col, justify="right" if col != "name" else "left")
+    for r in records:
+        t.add_row(r.name, f"{r.median:.4g}", r.unit, str(len(r.samples)),
+                  f"{min(r.samples):.4g}", f"{max(r.samples):.4g}")
+    return t
+
+
+def to_markdown(records: list[Record]) -> str:
+    lines = ["| benchmark | name | median | unit | n | commit |", "|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r.benchmark} | {r.name} | {r.median:.4g} | {r.unit} | {len(r.samples)} | {r.commit} |")
+    return "\n".join(lines)
+
+
+def write_outputs(records: list[Record], machine: dict, stem: str, title: str) -> None:
+    """Table to stderr; JSON and CSV next to ``stem``."""
+    from rich.console import Console
+
+    Console(stderr=True).print(to_table(records, title))
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        f.write(to_json(records, machine))
+    with open(stem + ".csv", "w") as f:
+        f.write(to_csv(records))
