@@ -52,8 +52,11 @@ def generate_ar(
     rng = np.random.default_rng(params.seed)
     kv = model.new_cache(len(prompt) + max_tokens)
     result = GenerationResult(prompt)
+    from .engine import phase_of
+
     t0 = time.perf_counter()
-    logits, _ = model.forward(prompt, kv, logits="last", record=False)
+    with phase_of(model, "prefill"):
+        logits, _ = model.forward(prompt, kv, logits="last", record=False)
     kv.commit(len(prompt))
     result.prefill_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -67,7 +70,8 @@ def generate_ar(
             break
         if len(result.tokens) >= max_tokens:
             break
-        logits, _ = model.forward([token], kv, logits="last", record=False)
+        with phase_of(model, "ar"):
+            logits, _ = model.forward([token], kv, logits="last", record=False)
         kv.commit(kv.filled)
     result.decode_seconds = time.perf_counter() - t1
     return result

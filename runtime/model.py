@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .config import ModelConfig
-from .experts import ExpertProvider, ResidentExperts, ExpertStore
+from .experts import ExpertProvider
 from .kv_cache import KVCache
 from .loader import LoadedModel
 from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, route, softmax
@@ -52,7 +52,12 @@ class MoEModel:
     def __init__(self, loaded: LoadedModel, experts: ExpertProvider | None = None):
         self.loaded = loaded
         self.config: ModelConfig = loaded.config
-        self.experts = experts if experts is not None else ResidentExperts(ExpertStore(loaded))
+        if experts is None:  # full residency, buffered reads: the plain reference configuration
+            from .cache import ExpertCache
+            from .store import ExpertStore
+
+            experts = ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None)
+        self.experts = experts
         c = self.config
         self._inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim))
         self.split: TimeSplit | _NoSplit = _NoSplit()
@@ -166,6 +171,9 @@ class MoEModel:
             raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
         cos, sin = self._rope(np.arange(start, start + T))
         rec = RoutingRecord() if record else None
+        begin, end = getattr(self.experts, "begin_pass", None), getattr(self.experts, "end_pass", None)
+        if begin:
+            begin()
         h = W["embed"][tokens]
         for L in range(c.num_layers):
             with self.split.part("attention"):
@@ -180,4 +188,6 @@ class MoEModel:
             if logits == "last":
                 h = h[-1:]
             out = rms_norm(h, W["norm"], c.rms_norm_eps) @ W["lm_head"].T
+        if end:
+            end()
         return out, rec

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from s2moe.runtime.experts import ExpertStore
+from s2moe.runtime.store import ExpertStore
 from s2moe.runtime.formats.gguf_writer import write_gguf
 from s2moe.runtime.loader import load_model
 from s2moe.runtime.model import MoEModel

@@ -21,7 +21,7 @@ def convert(
     """Convert a model to GGUF."""
     with cli_errors():
         from ..errors import UsageError
-        from ..experts import ExpertStore
+        from ..store import ExpertStore
         from ..formats.gguf_writer import write_gguf
         from ..loader import load_model
 

@@ -1,0 +1,219 @@
+"""The fast tier: experts in compute format within a byte budget.
+
+Hot experts (from a profile or a published-format hot list) are pinned; the rest of the space is
+managed by a replacement policy (`lru`, or `lfu`: frequency with exponential decay). The experts a
+request asks for are protected while it is served, so nothing the current pass needs is evicted;
+when pinned and protected experts leave no room, a fetched expert streams through a work buffer
+(used once, not kept) and the resident bytes never exceed the budget.
+
+Accounting is per phase (prefill / draft / verify / ar / load): hits, misses, bytes read, fetch
+seconds, achieved bandwidth, unique experts per pass; plus peak resident bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .errors import UsageError
+from .experts import ExpertWeights
+
+Key = tuple[int, int]
+
+
+@dataclass
+class PhaseStats:
+    hits: int = 0
+    misses: int = 0
+    streamed: int = 0  # misses that could not be kept (no evictable room)
+    bytes_read: int = 0
+    fetch_seconds: float = 0.0
+    passes: int = 0
+    unique_experts: int = 0  # summed over passes
+
+    def to_dict(self) -> dict:
+        looked_up = self.hits + self.misses
+        return {
+            "hits": self.hits, "misses": self.misses, "streamed": self.streamed,
+            "hit_rate": round(self.hits / looked_up, 4) if looked_up else None,
+            "bytes_read": self.bytes_read, "fetch_seconds": round(self.fetch_seconds, 6),
+            "bandwidth_mb_s": round(self.bytes_read / self.fetch_seconds / 1e6, 2) if self.fetch_seconds else None,
+            "passes": self.passes,
+            "unique_experts_per_pass": round(self.unique_experts / self.passes, 3) if self.passes else None,
+        }
+
+
+class LRU:
+    name = "lru"
+
+    def __init__(self):
+        self.order: OrderedDict[Key, None] = OrderedDict()
+
+    def touch(self, key: Key) -> None:
+        self.order[key] = None
+        self.order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self.order.pop(key, None)
+
+    def victim(self, protected: set[Key]) -> Key | None:
+        return next((k for k in self.order if k not in protected), None)
+
+
+class DecayedLFU:
+    """Evicts the resident expert with the lowest exponentially decayed use count.
+
+    Counts survive eviction (routing skew is persistent), so an expert that is popular overall
+    comes back with its history; ties go to the least recently used.
+    """
+
+    name = "lfu"
+
+    def __init__(self, half_life: float = 512.0):
+        self.half_life = half_life
+        self.clock = 0
+        self.count: dict[Key, float] = defaultdict(float)
+        self.last: dict[Key, int] = {}
+        self.resident: set[Key] = set()
+
+    def _score(self, key: Key) -> float:
+        return self.count[key] * 0.5 ** ((self.clock - self.last.get(key, self.clock)) / self.half_life)
+
+    def touch(self, key: Key) -> None:
+        self.clock += 1
+        self.count[key] = self._score(key) + 1.0
+        self.last[key] = self.clock
+        self.resident.add(key)
+
+    def remove(self, key: Key) -> None:
+        self.resident.discard(key)
+
+    def victim(self, protected: set[Key]) -> Key | None:
+        candidates = [k for k in self.resident if k not in protected]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda k: (self._score(k), self.last.get(k, 0)))
+
+
+POLICIES = {"lru": LRU, "lfu": DecayedLFU}
+DEFAULT_POLICY = "lfu"
+
+
+class ExpertCache:
+    def __init__(self, store, capacity_bytes: int | None = None, policy: str = DEFAULT_POLICY,
+                 hot: Iterable[Key] = (), resident_size=None):
+        """``capacity_bytes`` None = unlimited (full residency). ``resident_size(key)`` gives an
+        expert's compute-format bytes, used to check the hot set fits before reading it."""
+        if policy not in POLICIES:
+            raise UsageError(f"--cache-policy {policy!r}: choose from {', '.join(POLICIES)}")
+        self.store = store
+        self.capacity = capacity_bytes
+        self.policy = POLICIES[policy]()
+        self.held: dict[Key, ExpertWeights] = {}
+        self.pinned: set[Key] = set()
+        self.resident_bytes = 0
+        self.peak_resident_bytes = 0
+        self.stats: dict[str, PhaseStats] = defaultdict(PhaseStats)
+        self.phase = "ar"
+        self._pass_keys: set[Key] | None = None
+        self.pin(list(hot), resident_size)
+
+    # -- phases and passes ----------------------------------------------------------------------
+    @contextmanager
+    def in_phase(self, name: str):
+        previous, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    def begin_pass(self) -> None:
+        self._pass_keys = set()
+
+    def end_pass(self) -> None:
+        if self._pass_keys is not None:
+            s = self.stats[self.phase]
+            s.passes += 1
+            s.unique_experts += len(self._pass_keys)
+        self._pass_keys = None
+
+    # -- residency ------------------------------------------------------------------------------
+    def contains(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self.held
+
+    def pin(self, keys: Sequence[Key], resident_size=None) -> None:
+        if not keys:
+            return
+        if resident_size is not None and self.capacity is not None:
+            need = sum(resident_size(k) for k in keys)
+            if need > self.capacity:
+                raise UsageError(f"hot experts need {need} bytes, the expert budget holds {self.capacity}; "
+                                 "shorten the hot list or raise --budget")
+        with self.in_phase("load"):
+            by_layer: dict[int, list[int]] = defaultdict(list)
+            for L, e in keys:
+                by_layer[L].append(e)
+            for L, experts in sorted(by_layer.items()):
+                self.get(L, experts)
+        self.pinned.update(keys)
+        for k in keys:
+            self.policy.remove(k)  # pinned experts are never victims
+
+    def _evict_for(self, size: int, protected: set[Key]) -> bool:
+        if self.capacity is None:
+            return True
+        while self.resident_bytes + size > self.capacity:
+            key = self.policy.victim(protected | self.pinned)
+            if key is None:
+                return False
+            self.policy.remove(key)
+            self.resident_bytes -= self.held.pop(key).nbytes
+        return True
+
+    def get(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
+        stats = self.stats[self.phase]
+        keys = [(layer, int(e)) for e in experts]
+        if self._pass_keys is not None:
+            self._pass_keys.update(keys)
+        out: dict[Key, ExpertWeights] = {}
+        missing = []
+        for key in keys:
+            w = self.held.get(key)
+            if w is None:
+                missing.append(key)
+            else:
+                out[key] = w
+                if key not in self.pinned:
+                    self.policy.touch(key)
+        stats.hits += len(keys) - len(missing)
+        stats.misses += len(missing)
+        if missing:
+            t0 = time.perf_counter()
+            fetched = self.store.read_many(layer, [e for _, e in missing])
+            stats.fetch_seconds += time.perf_counter() - t0
+            protected = set(keys)
+            for key, w in zip(missing, fetched):
+                stats.bytes_read += self.store.stored_bytes(*key)
+                out[key] = w
+                if self._evict_for(w.nbytes, protected):
+                    self.held[key] = w
+                    self.resident_bytes += w.nbytes
+                    self.policy.touch(key)
+                else:
+                    stats.streamed += 1
+            self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+        return [out[k] for k in keys]
+
+    def report(self) -> dict:
+        return {
+            "policy": self.policy.name,
+            "capacity_bytes": self.capacity,
+            "pinned": len(self.pinned),
+            "resident_experts": len(self.held),
+            "resident_bytes": self.resident_bytes,
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "phases": {name: s.to_dict() for name, s in sorted(self.stats.items())},
+        }

@@ -1,0 +1,106 @@
+"""Assemble a decoding engine from user-facing options: model, budget, hot experts, slow tier."""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+from .budget import Budget, MemoryPlan, fmt_bytes, plan_memory
+from .cache import DEFAULT_POLICY, ExpertCache
+from .errors import UsageError
+from .loader import LoadedModel, load_model
+from .model import MoEModel
+from .store import Emulation, ExpertStore
+
+
+@dataclass
+class Engine:
+    loaded: LoadedModel
+    model: MoEModel
+    cache: ExpertCache
+    plan: MemoryPlan
+    budget: Budget
+    emulation: Emulation
+
+    def phase(self, name: str):
+        return self.cache.in_phase(name)
+
+    def report(self) -> dict:
+        r = {"budget": self.budget.describe(), "memory": self.plan.to_dict(), "cache": self.cache.report()}
+        r["direct_io"] = all(self.cache.store.direct_files.values()) if self.cache.store.direct_files else None
+        if self.emulation.active:
+            r["emulation"] = self.emulation.describe()
+        return r
+
+    def close(self) -> None:
+        self.cache.store.close()
+
+
+def read_hot_experts(path: str, loaded: LoadedModel) -> list[tuple[int, int]]:
+    """The published format ``{"gpu_experts": [[layer, expert], ...]}``, checked against the model."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: hot-experts file not found") from None
+    except (ValueError, UnicodeDecodeError):
+        raise UsageError(f"{path}: not valid JSON (expected {{\"gpu_experts\": [[layer, expert], ...]}})") from None
+    entries = data.get("gpu_experts") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise UsageError(f"{path}: field 'gpu_experts' must be a list of [layer, expert] pairs")
+    c = loaded.config
+    moe_layers = set(c.moe_layer_ids)
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for i, pair in enumerate(entries):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)):
+            raise UsageError(f"{path}: gpu_experts[{i}] = {pair!r} is not a [layer, expert] pair of integers")
+        key = (pair[0], pair[1])
+        if key[0] not in moe_layers:
+            raise UsageError(f"{path}: gpu_experts[{i}]: layer {key[0]} is not a MoE layer of this model "
+                             f"(MoE layers: {min(moe_layers)}..{max(moe_layers)})")
+        if not 0 <= key[1] < c.num_experts:
+            raise UsageError(f"{path}: gpu_experts[{i}]: expert {key[1]} out of range 0..{c.num_experts - 1}")
+        if key in seen:
+            raise UsageError(f"{path}: gpu_experts[{i}]: duplicate entry [{key[0]}, {key[1]}]")
+        seen.add(key)
+        out.append(key)
+    return out
+
+
+def build_engine(
+    model_path: str,
+    budget: str | None = None,
+    kv_positions: int = 4096,
+    hot_experts: str | list[tuple[int, int]] | None = None,
+    policy: str = DEFAULT_POLICY,
+    emulate_bandwidth: float | None = None,
+    emulate_latency: float = 0.0,
+    direct_io: bool = True,
+    loaded: LoadedModel | None = None,
+) -> Engine:
+    loaded = loaded or load_model(model_path)
+    parsed = Budget.parse(budget)
+    plan = plan_memory(loaded, parsed, kv_positions)
+    if emulate_bandwidth is not None and emulate_bandwidth <= 0:
+        raise UsageError(f"--emulate-bandwidth must be positive MB/s (got {emulate_bandwidth})")
+    if emulate_latency < 0:
+        raise UsageError(f"--emulate-latency must be >= 0 µs (got {emulate_latency})")
+    emulation = Emulation(emulate_bandwidth, emulate_latency)
+    store = ExpertStore(loaded, direct=direct_io, emulation=emulation)
+    full = plan.expert_capacity >= plan.expert_total
+    hot = read_hot_experts(hot_experts, loaded) if isinstance(hot_experts, str) else list(hot_experts or [])
+    size = lambda key: loaded.experts[key].resident_bytes  # noqa: E731
+    if hot and sum(map(size, hot)) > plan.expert_capacity:
+        where = hot_experts if isinstance(hot_experts, str) else "hot experts"
+        raise UsageError(f"{where}: {len(hot)} hot experts need {fmt_bytes(sum(map(size, hot)))}, the budget leaves "
+                         f"{fmt_bytes(plan.expert_capacity)} for experts; shorten the list or raise --budget")
+    cache = ExpertCache(store, None if full else plan.expert_capacity, policy, hot, size)
+    return Engine(loaded, MoEModel(loaded, cache), cache, plan, parsed, emulation)
+
+
+def phase_of(model: MoEModel, name: str):
+    """The cache's phase context when the model's provider has phases, else a no-op."""
+    phase = getattr(model.experts, "in_phase", None)
+    return phase(name) if phase else nullcontext()

@@ -1,0 +1,143 @@
+"""Budgeted expert cache and slow tier: identical output at any budget, budgets respected."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from s2moe.runtime.budget import Budget, plan_memory
+from s2moe.runtime.cache import ExpertCache
+from s2moe.runtime.engine import build_engine, read_hot_experts
+from s2moe.runtime.errors import UsageError
+from s2moe.runtime.generate import generate_ar
+from s2moe.runtime.loader import load_model
+from s2moe.runtime.store import Emulation, ExpertStore
+
+
+@pytest.fixture(scope="module")
+def olmoe_dir(tiny_model_dirs):
+    return tiny_model_dirs["olmoe"][1]
+
+
+def _greedy(engine, prompt, n=12):
+    return generate_ar(engine.model, prompt, n).tokens
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_output_identical_at_every_budget(tiny_model_dirs, policy):
+    prompts = [list(np.random.default_rng(s).integers(0, 380, 6 + s)) for s in range(4)]
+    for family in ("olmoe", "qwen3_moe"):
+        folder = tiny_model_dirs[family][1]
+        full = build_engine(folder)
+        expected = [_greedy(full, p) for p in prompts]
+        for share in ("0.5", "0.25", "0.1"):
+            engine = build_engine(folder, share, policy=policy)
+            assert [_greedy(engine, p) for p in prompts] == expected, (family, share)
+            cache = engine.cache
+            assert cache.capacity == int(float(share) * engine.plan.expert_total)
+            assert 0 < cache.peak_resident_bytes <= cache.capacity
+            # the cache's own accounting equals the sizes of what it holds
+            assert cache.resident_bytes == sum(w.nbytes for w in cache.held.values())
+            ar = cache.stats["ar"]
+            assert ar.misses > 0 and ar.bytes_read > 0 and ar.passes > 0
+
+
+def test_requests_larger_than_the_budget_stream_and_stay_within_it(olmoe_dir, rng):
+    loaded = load_model(olmoe_dir)
+    one = next(iter(loaded.experts.values())).resident_bytes
+    cache = ExpertCache(ExpertStore(loaded), capacity_bytes=3 * one, policy="lru")
+    got = cache.get(0, list(range(8)))  # 8 experts needed by one pass, room for 3
+    assert len(got) == 8 and cache.stats["ar"].streamed == 5
+    assert cache.resident_bytes <= 3 * one and len(cache.held) == 3
+    ref = ExpertStore(loaded).read(0, 6)
+    np.testing.assert_array_equal(got[6].down, ref.down)
+
+
+def test_protected_experts_are_not_evicted_mid_request(olmoe_dir):
+    loaded = load_model(olmoe_dir)
+    one = next(iter(loaded.experts.values())).resident_bytes
+    cache = ExpertCache(ExpertStore(loaded), capacity_bytes=2 * one, policy="lru")
+    cache.get(0, [0, 1])
+    cache.get(0, [1, 2])  # 1 is a hit and protected: 0 must go, not 1
+    assert set(cache.held) == {(0, 1), (0, 2)}
+
+
+def test_pinned_hot_experts_stay(olmoe_dir):
+    loaded = load_model(olmoe_dir)
+    one = next(iter(loaded.experts.values())).resident_bytes
+    cache = ExpertCache(ExpertStore(loaded), 3 * one, "lfu", hot=[(1, 5)])
+    assert cache.stats["load"].misses == 1
+    for e in range(8):
+        cache.get(0, [e])
+    assert (1, 5) in cache.held and cache.resident_bytes <= 3 * one
+
+
+@pytest.mark.parametrize("text,share,total", [
+    ("0.25", 0.25, None), ("25%", 0.25, None), ("512m", None, 512 << 20), ("16g", None, 16 << 30),
+    ("123456789", None, 123456789), (None, 1.0, None),
+])
+def test_budget_parsing(text, share, total):
+    b = Budget.parse(text)
+    assert (b.share, b.total_bytes) == (share, total)
+
+
+@pytest.mark.parametrize("bad", ["-1", "0", "lots", "1.5", "12q"])
+def test_bad_budget_strings(bad):
+    with pytest.raises(UsageError, match="--budget"):
+        Budget.parse(bad)
+
+
+def test_budget_below_dense_part_names_the_minimum(olmoe_dir):
+    loaded = load_model(olmoe_dir)
+    with pytest.raises(UsageError, match=r"below the dense part.*need at least"):
+        plan_memory(loaded, Budget.parse("10k"), 64)
+    plan = plan_memory(loaded, Budget.parse(str(loaded.dense_bytes + 10 ** 6)), 64)
+    assert 0 < plan.expert_capacity <= plan.expert_total
+
+
+@pytest.mark.parametrize("entries,needle", [
+    ([[0, 99]], "expert 99 out of range"),
+    ([[7, 0]], "layer 7 is not a MoE layer"),
+    ([[0, 1], [0, 1]], "duplicate"),
+    ([[0, "a"]], "not a [layer, expert] pair"),
+])
+def test_bad_hot_expert_files(olmoe_dir, tmp_path, entries, needle):
+    path = tmp_path / "hot.json"
+    path.write_text(json.dumps({"gpu_experts": entries}))
+    with pytest.raises(UsageError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        read_hot_experts(str(path), load_model(olmoe_dir))
+
+
+def test_hot_experts_over_budget(olmoe_dir, tmp_path):
+    path = tmp_path / "hot.json"
+    path.write_text(json.dumps({"gpu_experts": [[L, e] for L in range(2) for e in range(8)]}))
+    with pytest.raises(UsageError, match="need"):
+        build_engine(olmoe_dir, "0.25", hot_experts=str(path))
+    ok = build_engine(olmoe_dir, "0.5", hot_experts=[(0, 1), (1, 2)])
+    assert ok.cache.pinned == {(0, 1), (1, 2)}
+
+
+def test_emulated_link_sets_the_floor_on_fetch_time(olmoe_dir):
+    loaded = load_model(olmoe_dir)
+    emu = Emulation(bandwidth_mb_s=2.0, latency_us=20000)
+    store = ExpertStore(loaded, emulation=emu, threads=4)
+    nbytes = store.stored_bytes(0, 0)
+    t0 = time.perf_counter()
+    store.read_many(0, [0, 1, 2, 3])
+    took = time.perf_counter() - t0
+    # four requests share the link: latencies overlap, bytes do not
+    floor = 0.02 + 4 * nbytes / 2e6
+    assert floor <= took < floor + 0.5
+
+
+def test_direct_io_or_announced_fallback(olmoe_dir, capsys):
+    store = ExpertStore(load_model(olmoe_dir))
+    w = store.read(1, 3)
+    ref = ExpertStore(load_model(olmoe_dir), direct=False).read(1, 3)
+    np.testing.assert_array_equal(w.gate, ref.gate)
+    (path, direct), = store.direct_files.items()
+    if not direct:  # some file systems (tmpfs) refuse O_DIRECT: then it must have said so
+        assert "O_DIRECT refused" in capsys.readouterr().err
