@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.record import Record, machine_info, write_outputs  # noqa: E402
+from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
 from benchmarks.synthetic import write_olmoe  # noqa: E402
 
 

@@ -31,7 +31,7 @@ def probe_cmd(
 ):
     """Describe this machine: CPU, memory, GPUs (NVML), Jetson board, storage behind the model."""
     with cli_errors():
-        from .device import probe
+        from s2moe.runtime.device import probe
 
         facts = probe(model).to_dict()
         if json_out:

@@ -75,6 +75,21 @@ class KVCache:
             raise KVCacheError(f"cannot trim {n} positions from a cache holding {self.filled}")
         return self.rollback(self.filled - n)
 
+    def keep(self, slots, at: int) -> None:
+        """Move the KV of ``slots`` (an accepted tree branch) to positions [at, at + len(slots)).
+
+        Slots only move backwards (a branch's slots lie at or after its positions), and the moved
+        range becomes the valid end of the cache.
+        """
+        slots = list(slots)
+        if any(s < at + i for i, s in enumerate(slots)) or (slots and max(slots) >= self.filled):
+            raise KVCacheError(f"cannot move slots {slots} to {at}: slots must lie in [{at}, {self.filled})")
+        if slots != list(range(at, at + len(slots))):
+            for arrays in (self.keys, self.values):
+                for a in arrays:
+                    a[:, at:at + len(slots)] = a[:, slots]  # fancy indexing copies first: overlap-safe
+        self.rollback(at + len(slots))
+
     def discard_uncommitted(self) -> int:
         return self.rollback(self.length)
 

@@ -78,7 +78,7 @@ class MoEModel:
         rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
         return x * cos + rotated * sin
 
-    def _attention(self, L: int, x: np.ndarray, start: int, kv: KVCache, cos, sin) -> np.ndarray:
+    def _attention(self, L: int, x: np.ndarray, start: int, kv: KVCache, cos, sin, allowed) -> np.ndarray:
         c, W = self.config, self.loaded.dense
         T = x.shape[0]
         nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -105,12 +105,7 @@ class MoEModel:
         qg = q.reshape(nkv, group * T, D)  # heads sharing a kv head stacked on the query axis
         scores = (qg @ keys.transpose(0, 2, 1)) * (1.0 / np.sqrt(D))  # [nkv, group*T, S]
         scores = scores.reshape(nkv, group, T, S)
-        qpos = np.arange(start, start + T)[:, None]
-        kpos = np.arange(S)[None, :]
-        masked = kpos > qpos
-        if c.sliding_window:
-            masked |= kpos <= qpos - c.sliding_window
-        scores = np.where(masked, -np.inf, scores)
+        scores = np.where(allowed, scores, -np.inf)
         probs = softmax(scores).reshape(nkv, group * T, S)
         out = (probs @ values).reshape(nkv, group, T, D).reshape(nh, T, D)
         return out.transpose(1, 0, 2).reshape(T, nh * D) @ W[p + "o"].T
@@ -148,6 +143,20 @@ class MoEModel:
         p = f"layers.{L}."
         return (silu(x @ W[p + "mlp_gate"].T) * (x @ W[p + "mlp_up"].T)) @ W[p + "mlp_down"].T
 
+    def _visibility(self, start: int, T: int, pos: np.ndarray, tree_mask: np.ndarray | None) -> np.ndarray:
+        """[T, start + T] bool: which cache slots each new token attends to."""
+        S = start + T
+        allowed = np.ones((T, S), dtype=bool)
+        if tree_mask is None:
+            allowed[:, start:] = np.tril(np.ones((T, T), dtype=bool))
+        else:
+            allowed[:, start:] = tree_mask
+        window = self.config.sliding_window
+        if window:  # slot positions before `start` equal their RoPE positions (committed chain)
+            slot_pos = np.concatenate([np.arange(start), pos])
+            allowed &= slot_pos[None, :] > pos[:, None] - window
+        return allowed
+
     # -- the pass -----------------------------------------------------------------------------
     def forward(
         self,
@@ -157,9 +166,14 @@ class MoEModel:
         policy: RoutingPolicy = TARGET,
         logits: str = "all",
         record: bool = True,
+        positions=None,
+        tree_mask: np.ndarray | None = None,
     ) -> tuple[np.ndarray, RoutingRecord | None]:
-        """Run ``tokens`` at positions [start, start + T); ``start`` defaults to ``kv.filled``.
+        """Run ``tokens`` in cache slots [start, start + T); ``start`` defaults to ``kv.filled``.
 
+        For a chain, slot = position and attention is causal. For a token tree, ``positions``
+        gives each token's RoPE position and ``tree_mask`` [T, T] which new tokens each may see
+        (itself and its ancestors); every token sees all slots before ``start``.
         Returns logits [T, V] (or [1, V] with ``logits="last"``) and the routing record.
         """
         c, W = self.config, self.loaded.dense
@@ -169,7 +183,9 @@ class MoEModel:
         kv.begin_write(start, T)
         if tokens.min(initial=0) < 0 or tokens.max(initial=0) >= c.vocab_size:
             raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
-        cos, sin = self._rope(np.arange(start, start + T))
+        pos = np.arange(start, start + T) if positions is None else np.asarray(positions, dtype=np.int64)
+        cos, sin = self._rope(pos)
+        allowed = self._visibility(start, T, pos, tree_mask)
         rec = RoutingRecord() if record else None
         begin, end = getattr(self.experts, "begin_pass", None), getattr(self.experts, "end_pass", None)
         if begin:
@@ -177,7 +193,8 @@ class MoEModel:
         h = W["embed"][tokens]
         for L in range(c.num_layers):
             with self.split.part("attention"):
-                h = h + self._attention(L, rms_norm(h, W[f"layers.{L}.attn_norm"], c.rms_norm_eps), start, kv, cos, sin)
+                h = h + self._attention(L, rms_norm(h, W[f"layers.{L}.attn_norm"], c.rms_norm_eps), start, kv, cos, sin,
+                                        allowed)
             x = rms_norm(h, W[f"layers.{L}.ffn_norm"], c.rms_norm_eps)
             if c.moe_layers[L]:
                 h = h + self._moe(L, x, policy, rec)

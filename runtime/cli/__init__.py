@@ -1,10 +1,10 @@
-"""The `s2moe` command: run, info, convert. One module per command; errors via `errors.cli_errors`."""
+"""The `s2moe` command: run, info, convert, bench. One module per command; errors via `errors.cli_errors`."""
 
 from __future__ import annotations
 
 import typer
 
-from . import convert, info, run
+from . import bench, convert, info, run
 
 app = typer.Typer(
     name="s2moe",
@@ -16,6 +16,7 @@ app = typer.Typer(
 app.command("run")(run.run)
 app.command("info")(info.info)
 app.command("convert")(convert.convert)
+app.command("bench")(bench.bench)
 
 
 def main() -> None:

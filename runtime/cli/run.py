@@ -1,4 +1,5 @@
-"""`s2moe run`: generate from a prompt, streaming text; a one-line summary (or JSON) at the end."""
+"""`s2moe run`: generate from a prompt with S²-MoE (or a baseline), streaming text; a summary
+line and the expert-cache table at the end (stderr), or one JSON object with ``--json``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ def run(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="HF folder or .gguf file (default: the embedded model)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) to use instead of the model's."),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=1, help="Tokens to generate at most."),
+    method: str = typer.Option("s2moe", "--method", help="ar, es, confidence, cascade, ca, ca+ae, s2moe."),
+    draft_topk: Optional[str] = typer.Option(None, "--draft-topk", help="Draft experts per token: K, or K,LAYER:K,… (default: from the profile, else k/4 for k ≥ 6, k/2 below)."),
+    draft_cap: int = typer.Option(8, "--draft-cap", help="Most draft tokens per verification."),
+    reuse_cap: Optional[int] = typer.Option(None, "--reuse-cap", help="Reuse-aware gating's preferred-set size (default 2×k)."),
+    utility_threshold: float = typer.Option(1.0, "--utility-threshold", help="Admit a draft token while U_i ≥ this."),
+    rg_variant: str = typer.Option("paper", "--rg-variant", help="Reuse-aware gating: paper (per-token λ, draft-confidence weights) or code (published code)."),
+    no_rg: bool = typer.Option(False, "--no-rg", help="Turn reuse-aware gating off (lossless S²-MoE)."),
+    no_share_kv: bool = typer.Option(False, "--no-share-kv", help="Ablation: the draft keeps its own KV cache."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy (argmax)."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
@@ -28,35 +37,60 @@ def run(
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated per-request latency in µs."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
-    """Generate text with the model (autoregressive decoding)."""
+    """Generate text with the model (S²-MoE self-speculative decoding by default)."""
     with cli_errors():
         from ..engine import build_engine
-        from ..generate import generate_ar
+        from ..estimate import estimate_costs
         from ..loader import load_model
+        from ..methods import get_method
         from ..sampling import SamplingParams
+        from ..speculative import SpeculativeDecoder
         from ..tokenizer import load_tokenizer
+        from .spec_options import describe_costs, make_settings
 
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         loaded = load_model(resolve_model(model))
+        settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant)
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(prompt).ids
         if not ids:
             raise typer.BadParameter("the prompt encodes to no tokens", param_hint="--prompt")
-        engine = build_engine(loaded.path, budget, len(ids) + max_tokens + 1, hot_experts, cache_policy,
+        kv_positions = len(ids) + max_tokens + 2 * max(draft_cap, 8) + 2
+        engine = build_engine(loaded.path, budget, kv_positions, hot_experts, cache_policy,
                               emulate_bandwidth, emulate_latency, loaded=loaded)
         if engine.emulation.active:
             err.print(f"[yellow]{engine.emulation.describe()}: timings are not this machine's[/yellow]")
+        costs = None
+        if spec.admit in ("utility", "cascade") or spec.reuse_gating:
+            costs = estimate_costs(engine.model, ids, settings_policy(settings))
+            err.print(f"[dim]no --profile: estimated cost constants at start-up from timed passes: "
+                      f"{describe_costs(costs)}[/dim]")
+        decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), params)
         stream = _Streamer(tok) if not json_out else None
-        result = generate_ar(engine.model, ids, max_tokens, params, loaded.config.eos_token_ids,
-                             on_token=stream.push if stream else None)
+        result = decoder.generate(ids, max_tokens, loaded.config.eos_token_ids, on_token=stream.push if stream else None)
         engine.close()
         text = tok.decode(result.tokens)
-        stats = {**result.stats(), "offload": engine.report()}
+        stats = {**result.stats(), "method": spec.name, "draft_topk": settings.draft_topk,
+                 "cost_constants": costs.to_dict() if costs else None, "offload": engine.report()}
         if json_out:
             print_json({"text": text, "prompt_tokens": ids, "tokens": result.tokens, "stats": stats})
             return
         stream.finish()
         print_summary(stats)
+
+
+def settings_policy(settings):
+    from ..routing import RoutingPolicy
+
+    return RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk))
+
+
+def _unused_costs():
+    """Methods whose admission rule ignores costs still take the argument."""
+    from ..cost_model import CostConstants
+
+    return CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0, source="unused")
 
 
 def print_summary(stats: dict) -> None:
@@ -67,9 +101,13 @@ def print_summary(stats: dict) -> None:
 
     off = stats["offload"]
     cache = off["cache"]
+    spec = ""
+    if stats.get("verifications"):
+        spec = (f" · acceptance length {stats['acceptance_length']:.2f} · accepted {stats['acceptance_rate'] or 0:.0%}"
+                f" · reuse ratio {stats['reuse_ratio'] or 0:.2f}")
     err.print(
-        f"[dim]prompt {stats['prompt_tokens']} tok · generated {stats['generated_tokens']} tok · "
-        f"prefill {stats['prefill_ms']:.1f} ms · decode {stats['decode_tokens_per_s']:.1f} tok/s · "
+        f"[dim]{stats['method']} · prompt {stats['prompt_tokens']} tok · generated {stats['generated_tokens']} tok · "
+        f"prefill {stats['prefill_ms']:.1f} ms · decode {stats['decode_tokens_per_s']:.1f} tok/s{spec} · "
         f"stop: {stats['stop_reason']} · budget {off['budget']} · peak experts "
         f"{fmt_bytes(cache['peak_resident_bytes'])} · {cache['policy']}[/dim]"
         + (f" · [yellow]{off['emulation']}[/yellow]" if "emulation" in off else "")

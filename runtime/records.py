@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 
 def machine_info() -> dict:
-    from s2moe.calib.device import probe
+    from .device import probe
 
     facts = probe().to_dict()
     facts.update(python=sys.version.split()[0], numpy=_version("numpy"))
@@ -43,6 +43,7 @@ def _blas() -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit when run from one (editable install), else "unknown"."""
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()

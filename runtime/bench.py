@@ -1,0 +1,99 @@
+"""`s2moe bench` logic: every method on the same prompts in one process, AR first.
+
+One `Record` per (method, workload, budget): raw per-prompt decode tokens/s, plus acceptance
+length, reuse ratio and bytes fetched per generated token; speedup is the ratio of total decode
+throughput (tokens / seconds over all prompts) to AR's on the same prompts and budget.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+from .cost_model import CostConstants
+from .engine import build_engine
+from .errors import UsageError
+from .methods import SpecSettings, get_method
+from .prompts import ASSET_PROMPTS, load_workload
+from .records import Record
+from .routing import RoutingPolicy
+from .sampling import SamplingParams
+from .speculative import SpeculativeDecoder
+
+WORKLOAD_ALIASES = {
+    "humaneval": "human-eval.jsonl", "human-eval": "human-eval.jsonl", "gsm8k": "gsm8K.jsonl",
+    "mt-bench": "mt_bench.jsonl", "mt_bench": "mt_bench.jsonl", "specbench": "specbench.jsonl",
+}
+
+
+def resolve_workload(name: str) -> Path:
+    if name == "default":
+        return ASSET_PROMPTS
+    path = Path(name)
+    if path.exists():
+        return path
+    alias = WORKLOAD_ALIASES.get(name.lower())
+    search = [os.environ.get("S2MOE_WORKLOADS", ""), "../shared/workloads", "shared/workloads"]
+    for folder in filter(None, search):
+        for candidate in (Path(folder) / name, Path(folder) / (alias or "")):
+            if candidate.is_file():
+                return candidate
+    raise UsageError(f"--workload {name!r}: not a file, 'default', or one of {', '.join(sorted(WORKLOAD_ALIASES))} "
+                     "under $S2MOE_WORKLOADS or ../shared/workloads")
+
+
+def phase_bytes(report: dict) -> int:
+    return sum(p["bytes_read"] for name, p in report["phases"].items() if name not in ("load", "estimate", "prefill"))
+
+
+def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str | None, n_prompts: int,
+              max_tokens: int, settings: SpecSettings, costs: CostConstants | None, params: SamplingParams,
+              progress=None, estimate=None) -> list[Record]:
+    path = resolve_workload(workload)
+    prompts = load_workload(path)[:n_prompts]
+    ids = [tokenizer.encode(p).ids[-512:] for p in prompts]  # long prompts: keep the tail
+    ids = [p for p in ids if p]
+    if "ar" in methods:
+        methods = ["ar"] + [m for m in methods if m != "ar"]  # AR first: the speedup's denominator
+    kv_positions = max(len(p) for p in ids) + max_tokens + 4 * settings.draft_cap + 8
+    draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk))
+    records, throughput = [], {}
+    for name in methods:
+        spec = get_method(name)
+        engine = build_engine(loaded.path, budget, kv_positions, loaded=loaded)
+        if costs is None and estimate is not None:
+            costs = estimate(engine.model, ids[0], draft_policy)
+        decoder = SpeculativeDecoder(engine.model, spec, settings, costs, params)
+        decoder.generate(ids[0][:16], 4)  # warm-up, untimed
+        samples, acc, reuse, tokens, seconds, fetched = [], [], [], 0, 0.0, 0
+        before = phase_bytes(engine.cache.report())
+        for p in ids:
+            result = decoder.generate(p, max_tokens)
+            st = result.stats()
+            samples.append(result.decode_tokens_per_s)
+            acc.append(st["acceptance_length"])
+            if st["reuse_ratio"] is not None:
+                reuse.append(st["reuse_ratio"])
+            tokens += len(result.tokens) - 1
+            seconds += result.decode_seconds
+            if progress:
+                progress(name)
+        fetched = phase_bytes(engine.cache.report()) - before
+        engine.close()
+        throughput[name] = tokens / seconds if seconds else 0.0
+        records.append(Record(
+            "bench", name, "tok/s", samples,
+            params={"method": name, "workload": path.name, "budget": budget or "1.0", "n_prompts": len(ids),
+                    "max_tokens": max_tokens, "draft_topk": settings.draft_topk, "draft_cap": settings.draft_cap,
+                    "temperature": params.temperature},
+            extra={"acceptance_length": statistics.mean(a for a in acc if a is not None),
+                   "reuse_ratio": statistics.mean(reuse) if reuse else None,
+                   "bytes_fetched_per_token": fetched / max(tokens, 1),
+                   "decode_tokens_per_s_aggregate": throughput[name],
+                   "cost_constants": costs.to_dict() if costs else None},
+        ))
+    base = throughput.get("ar")
+    for r in records:
+        r.extra["speedup_vs_ar"] = r.extra["decode_tokens_per_s_aggregate"] / base if base else None
+    return records

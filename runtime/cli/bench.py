@@ -1,0 +1,75 @@
+"""`s2moe bench`: methods side by side on a workload; table on stderr, records as JSON/CSV."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from .common import err, out, resolve_model
+from .errors import cli_errors
+
+
+def bench(
+    workload: str = typer.Option("default", "--workload", "-w", help="JSONL file, 'default', or humaneval / gsm8k / mt-bench / specbench."),
+    methods: str = typer.Option("ar,es,confidence,cascade,s2moe", "--methods", help="Comma-separated method names."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="HF folder or .gguf file (default: the embedded model)."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget (16g, 512m, 0.25, bytes). Default: full."),
+    n_prompts: int = typer.Option(8, "--n-prompts", min=1, help="Prompts taken from the start of the workload."),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=2, help="Tokens per prompt (EOS ignored, as in the paper's runs)."),
+    draft_topk: Optional[str] = typer.Option(None, "--draft-topk", help="Draft experts per token: K or K,LAYER:K,…"),
+    draft_cap: int = typer.Option(8, "--draft-cap"),
+    reuse_cap: Optional[int] = typer.Option(None, "--reuse-cap"),
+    utility_threshold: float = typer.Option(1.0, "--utility-threshold"),
+    rg_variant: str = typer.Option("paper", "--rg-variant"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t"),
+    seed: Optional[int] = typer.Option(0, "--seed"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the records (JSON) here; '-' for stdout."),
+    csv_path: Optional[str] = typer.Option(None, "--csv", help="Write the records as CSV here."),
+):
+    """Benchmark decoding methods on the same prompts (AR first, warm-up untimed)."""
+    with cli_errors():
+        from rich.progress import Progress
+        from rich.table import Table
+
+        from ..bench import run_bench
+        from ..estimate import estimate_costs
+        from ..loader import load_model
+        from ..records import machine_info, to_csv, to_json
+        from ..sampling import SamplingParams
+        from ..tokenizer import load_tokenizer
+        from .spec_options import make_settings
+
+        names = [m.strip() for m in methods.split(",") if m.strip()]
+        from ..methods import get_method
+
+        for name in names:
+            get_method(name)  # fail fast on a typo
+        loaded = load_model(resolve_model(model))
+        tok = load_tokenizer(loaded)
+        settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant)
+        params = SamplingParams(temperature=temperature, seed=seed)
+        with Progress(console=err, transient=True) as progress:
+            task = progress.add_task("bench", total=len(names) * n_prompts)
+            records = run_bench(loaded, tok, workload, names, budget, n_prompts, max_tokens, settings, None, params,
+                                progress=lambda name: progress.update(task, advance=1, description=name),
+                                estimate=estimate_costs)
+        table = Table(title=f"{records[0].params['workload']} · budget {budget or 'full'} · "
+                            f"{records[0].params['n_prompts']} prompts × {max_tokens} tokens")
+        for col in ("method", "tok/s (median)", "speedup vs AR", "acceptance length", "reuse ratio", "KiB fetched/token"):
+            table.add_column(col, justify="right")
+        for r in records:
+            x = r.extra
+            table.add_row(r.name, f"{r.median:.1f}", "-" if x["speedup_vs_ar"] is None else f"{x['speedup_vs_ar']:.2f}×",
+                          f"{x['acceptance_length']:.2f}", "-" if x["reuse_ratio"] is None else f"{x['reuse_ratio']:.3f}",
+                          f"{x['bytes_fetched_per_token'] / 1024:.1f}")
+        err.print(table)
+        machine = machine_info()
+        if json_path == "-":
+            out.print(to_json(records, machine), markup=False, highlight=False, soft_wrap=True)
+        elif json_path:
+            with open(json_path, "w") as f:
+                f.write(to_json(records, machine))
+        if csv_path:
+            with open(csv_path, "w") as f:
+                f.write(to_csv(records))

@@ -1,0 +1,62 @@
+"""Reuse-aware gating (RG): nudge verification tokens toward experts the batch already loads.
+
+For one MoE layer and the B tokens of a verification batch, with router logits ℓ [B, E] and
+target top-k k:
+    w_b  token weight        paper: the token's draft confidence; code: router peakedness
+                             max_e ℓ_b,e − mean_e ℓ_b,e, scaled by 1 / max_b w_b
+    g_e  = Σ_b w_b · ℓ_b,e   expert importance for the batch
+    E*   = top max(cap, k) experts by g_e (ties to the lower id)
+    λ_b  = strength · (ℓ_b,(1) − ℓ_b,(k+1))   paper: per token; code: the batch mean
+    ℓ'_b,e = ℓ_b,e + λ_b · 1[e ∈ E*]
+The biased logits only select the top-k; mixture weights come from the unbiased router (the
+forward pass's `route` does that). No-op when B ≤ 1, cap ≤ 0, every λ_b ≤ 0 or every w_b = 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .routing import top_k_indices
+
+VARIANTS = ("paper", "code")
+
+
+@dataclass
+class ReuseGating:
+    top_k: int
+    cap: int
+    variant: str = "paper"
+    strength: float = 1.0
+    confidences: np.ndarray | None = None  # [B] draft confidence per batch token (paper's w_b)
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"reuse gating variant {self.variant!r} not in {VARIANTS}")
+
+    def weights(self, logits: np.ndarray) -> np.ndarray:
+        if self.variant == "paper" and self.confidences is not None:
+            return np.asarray(self.confidences, dtype=np.float64)
+        w = logits.max(-1) - logits.mean(-1)
+        top = w.max()
+        return w / top if top > 0 else np.zeros_like(w)
+
+    def bias(self, layer: int, logits: np.ndarray) -> np.ndarray | None:
+        B, E = logits.shape
+        k = self.top_k
+        if B <= 1 or self.cap <= 0 or self.strength <= 0 or k >= E:
+            return None
+        w = self.weights(logits)
+        if not np.any(w > 0):
+            return None
+        g = (w[:, None] * logits).sum(0)  # [E]
+        preferred = top_k_indices(g[None, :], min(max(self.cap, k), E))[0]
+        ordered = -np.sort(-logits, axis=-1)
+        gap = ordered[:, 0] - ordered[:, k]  # top-1 minus (k+1)-th, per token
+        lam = self.strength * (gap if self.variant == "paper" else np.full(B, gap.mean()))
+        if not np.any(lam > 0):
+            return None
+        bias = np.zeros_like(logits)
+        bias[:, preferred] = lam[:, None]
+        return bias

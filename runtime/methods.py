@@ -1,0 +1,100 @@
+"""Decoding methods by name, and the settings they share.
+
+| name        | draft length rule                         | KV           | RG  | tree |
+|-------------|-------------------------------------------|--------------|-----|------|
+| ar          | none: one target pass per token           | -            | -   | -    |
+| es          | fixed 8 (expert-skip self-spec baseline)  | draft's own  | no  | 2    |
+| confidence  | chain until draft prob < 0.5 (EAGLE-3)    | shared (CA)  | no  | 1    |
+| cascade     | utility-chosen K ∈ {0, 1, cap/2, cap}     | shared (CA)  | no  | 1    |
+| ca          | fixed = draft cap                         | shared (CA)  | no  | 1    |
+| ca+ae       | utility test U_i ≥ threshold (AE)         | shared (CA)  | no  | 1    |
+| s2moe       | utility test (AE)                         | shared (CA)  | yes | 1    |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    admit: str  # "none" | "fixed" | "confidence" | "utility" | "cascade"
+    share_kv: bool = True
+    reuse_gating: bool = False
+    tree_width: int = 1
+    fixed_length: int | None = None  # None: the draft cap
+
+
+METHODS: dict[str, MethodSpec] = {
+    "ar": MethodSpec("ar", "none"),
+    "es": MethodSpec("es", "fixed", share_kv=False, tree_width=2, fixed_length=8),
+    "confidence": MethodSpec("confidence", "confidence"),
+    "cascade": MethodSpec("cascade", "cascade"),
+    "ca": MethodSpec("ca", "fixed"),
+    "ca+ae": MethodSpec("ca+ae", "utility"),
+    "s2moe": MethodSpec("s2moe", "utility", reuse_gating=True),
+}
+
+
+def get_method(name: str, share_kv: bool | None = None, reuse_gating: bool | None = None) -> MethodSpec:
+    try:
+        spec = METHODS[name]
+    except KeyError:
+        raise UsageError(f"--method {name!r}: choose from {', '.join(METHODS)}") from None
+    if share_kv is not None:
+        spec = replace(spec, share_kv=share_kv)
+    if reuse_gating is not None:
+        spec = replace(spec, reuse_gating=reuse_gating)
+    return spec
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    draft_topk: int = 2
+    layer_draft_topk: dict = field(default_factory=dict)  # per-layer override
+    draft_cap: int = 8
+    reuse_cap: int | None = None  # None: 2 × target k
+    utility_threshold: float = 1.0
+    rg_variant: str = "paper"  # or "code" (published code: router peakedness, batch-mean λ)
+    rg_strength: float = 1.0
+    confidence_threshold: float = 0.5
+    cascade_test_iters: int = 2
+    cascade_set_iters: int = 16
+
+    def validate(self, top_k: int, num_experts: int) -> "SpecSettings":
+        if not 1 <= self.draft_topk <= num_experts:
+            raise UsageError(f"--draft-topk {self.draft_topk}: must be in 1..{num_experts}")
+        for layer, k in self.layer_draft_topk.items():
+            if not 1 <= k <= num_experts:
+                raise UsageError(f"--draft-topk {layer}:{k}: must be in 1..{num_experts}")
+        if self.draft_cap < 1:
+            raise UsageError(f"--draft-cap {self.draft_cap}: must be >= 1")
+        if self.utility_threshold < 0:
+            raise UsageError(f"--utility-threshold {self.utility_threshold}: must be >= 0")
+        if self.rg_variant not in ("paper", "code"):
+            raise UsageError(f"--rg-variant {self.rg_variant!r}: choose paper or code")
+        return self
+
+    def reuse_cap_for(self, top_k: int) -> int:
+        return self.reuse_cap if self.reuse_cap is not None else 2 * top_k
+
+
+def parse_draft_topk(text: str) -> tuple[int, dict]:
+    """``2`` or ``2,0:1,5:3`` (default, then layer:k overrides)."""
+    default, overrides = None, {}
+    for part in str(text).split(","):
+        part = part.strip()
+        try:
+            if ":" in part:
+                layer, k = part.split(":")
+                overrides[int(layer)] = int(k)
+            else:
+                default = int(part)
+        except ValueError:
+            raise UsageError(f"--draft-topk {text!r}: use K or K,LAYER:K,…") from None
+    if default is None:
+        raise UsageError(f"--draft-topk {text!r}: give a default K first (e.g. 2,0:1)")
+    return default, overrides

@@ -1,0 +1,63 @@
+"""Per-run speculative decoding metrics (definitions from the paper's metrics section).
+
+- acceptance length: tokens produced per verification, the target's own token included (AR = 1);
+- acceptance rate: accepted draft tokens / drafted tokens;
+- reuse ratio over a verified window of s tokens: unique experts activated / (s · k), per MoE
+  layer, averaged (ideal 1/s);
+- effective verification cost: share of the distinct experts a verification loaded that the
+  accepted tokens (root included) needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SpecMetrics:
+    verifications: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    ar_steps: int = 0
+    empty_drafts: int = 0
+    draft_passes: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    reuse_ratios: list[float] = field(default_factory=list)
+    effective_costs: list[float] = field(default_factory=list)
+    cascade_choices: list[int] = field(default_factory=list)
+
+    def record_verification(self, record, batch: int, accepted_rows: list[int], drafted: int, accepted: int,
+                            top_k: int) -> None:
+        self.verifications += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if record is None or not record.layers:
+            return
+        ratios, used, needed = [], 0, 0
+        for L, r in record.layers.items():
+            all_experts = set(np.unique(r.experts).tolist())
+            ratios.append(len(all_experts) / (batch * top_k))
+            used += len(all_experts)
+            needed += len(set(np.unique(r.experts[accepted_rows]).tolist()))
+        self.reuse_ratios.append(float(np.mean(ratios)))
+        self.effective_costs.append(needed / used if used else 1.0)
+
+    def to_dict(self, generated: int) -> dict:
+        steps = self.verifications + self.ar_steps
+        return {
+            "verifications": self.verifications,
+            "ar_steps": self.ar_steps,
+            "acceptance_length": round((self.accepted + self.verifications + self.ar_steps) / steps, 4) if steps else None,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "mean_draft_length": round(self.drafted / self.verifications, 4) if self.verifications else 0.0,
+            "empty_drafts": self.empty_drafts,
+            "draft_passes": self.draft_passes,
+            "reuse_ratio": round(float(np.mean(self.reuse_ratios)), 4) if self.reuse_ratios else None,
+            "effective_verification_cost": round(float(np.mean(self.effective_costs)), 4) if self.effective_costs else None,
+            "draft_seconds": round(self.draft_seconds, 6),
+            "verify_seconds": round(self.verify_seconds, 6),
+            **({"cascade_choices": self.cascade_choices} if self.cascade_choices else {}),
+        }

@@ -1,0 +1,327 @@
+"""Self-speculative decoding: expert-sparse self-draft, context alignment, adaptive expansion,
+reuse-aware gating; and the baselines that share this loop (see `methods.py`).
+
+One iteration, with P committed KV positions and a pending token ``root`` (emitted, not in KV):
+  1. draft from ``root`` with the draft top-k, one token at a time (KV written past P);
+  2. admit draft token i while its rule allows (AE: U_i = p_i·T_AR / (ΔC_ver(i|S) + C_draft) ≥ θ);
+  3. roll the shared KV back to P, verify [root, d_1..d_n] in one target pass (RG bias if on);
+  4. accept (greedy match, or speculative sampling), commit the target-computed KV of root and the
+     accepted drafts, emit the accepted drafts and the target's next token (the new root).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .cost_model import CostConstants
+from .engine import phase_of
+from .gating import ReuseGating
+from .kv_cache import KVCache
+from .methods import MethodSpec, SpecSettings
+from .model import MoEModel
+from .routing import TARGET, RoutingPolicy, RoutingRecord, softmax, top_k_indices
+from .sampling import SamplingParams, probabilities, sample
+from .spec_metrics import SpecMetrics
+
+Key = tuple[int, int]
+
+
+def marginal_verification_cost(new_experts: set[Key], is_resident, costs: CostConstants) -> float:
+    """ΔC_ver(i|S): the cost of the experts token i adds to the verification batch (``new_experts``
+    = E_i minus those S already brings). A resident expert costs compute only; a missing one
+    also its fetch."""
+    return sum(costs.expert_cost(is_resident(key)) for key in new_experts)
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    token_probs: list[float] = field(default_factory=list)  # q(d_i) of each draft token
+    dists: list[np.ndarray | None] = field(default_factory=list)  # q(·) it was sampled from
+    parents: list[int] = field(default_factory=list)  # batch index of each token's parent (root = 0)
+
+
+@dataclass
+class SpecResult:
+    prompt_tokens: list[int]
+    tokens: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    stop_reason: str
+    metrics: SpecMetrics
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = max(len(self.tokens) - 1, 0)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def stats(self) -> dict:
+        return {
+            "prompt_tokens": len(self.prompt_tokens), "generated_tokens": len(self.tokens),
+            "prefill_ms": round(self.prefill_seconds * 1e3, 3), "decode_seconds": round(self.decode_seconds, 6),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3), "stop_reason": self.stop_reason,
+            **self.metrics.to_dict(len(self.tokens)),
+        }
+
+
+class SpeculativeDecoder:
+    def __init__(self, model: MoEModel, method: MethodSpec, settings: SpecSettings, costs: CostConstants,
+                 params: SamplingParams = SamplingParams()):
+        c = model.config
+        self.model, self.method, self.costs, self.params = model, method, costs, params
+        self.settings = settings.validate(c.top_k, c.num_experts)
+        self.top_k = c.top_k
+        self.draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk))
+        self.cache = model.experts
+        self.metrics = SpecMetrics()
+        self._cascade_k: int | None = None
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _resident(self, key: Key) -> bool:
+        contains = getattr(self.cache, "contains", None)
+        return bool(contains and contains(*key))
+
+    def _predicted_experts(self, record: RoutingRecord, t: int) -> set[Key]:
+        """Experts token t would use in verification: the target top-k of its draft-time logits."""
+        out: set[Key] = set()
+        for L, r in record.layers.items():
+            out.update((L, int(e)) for e in top_k_indices(r.logits[t:t + 1], self.top_k)[0])
+        return out
+
+    def _pick(self, logits: np.ndarray, rng) -> tuple[int, float, np.ndarray | None]:
+        """Draft token from draft logits: (token, its probability, distribution sampled from)."""
+        if self.params.greedy:
+            token = int(np.argmax(logits))
+            return token, float(softmax(logits.astype(np.float64))[token]), None
+        q = probabilities(logits, self.params)
+        token = int(rng.choice(q.size, p=q))
+        return token, float(q[token]), q
+
+    def _draft_length(self) -> int:
+        m, s = self.method, self.settings
+        if m.admit == "cascade":
+            return self._cascade_k if self._cascade_k is not None else s.draft_cap
+        return m.fixed_length or s.draft_cap
+
+    # -- drafting -------------------------------------------------------------------------------
+    def _draft_root(self, feed: list[int], kv: KVCache) -> tuple[np.ndarray, set[Key]]:
+        """Run the draft over ``feed`` (tokens not yet in its KV; the last is the root).
+        Returns the draft logits after the root and the root's predicted experts (S's start)."""
+        logits, rec = self.model.forward(feed, kv, policy=self.draft_policy, logits="last")
+        self.metrics.draft_passes += 1
+        return logits[-1], self._predicted_experts(rec, len(feed) - 1)
+
+    def _draft_chain(self, kv: KVCache, rng, length: int, logits: np.ndarray, selected: set[Key],
+                     first: int | None = None) -> Draft:
+        """Draft up to ``length`` tokens after the root, admitting each by the method's rule."""
+        m, s, costs = self.method, self.settings, self.costs
+        d = Draft()
+        selected = set(selected)
+        prefix = 1.0
+        while len(d.tokens) < length:
+            if first is not None and not d.tokens:  # a tree branch's forced first token
+                token, dist = first, None
+                prob = float(softmax(logits.astype(np.float64))[token])
+            else:
+                token, prob, dist = self._pick(logits, rng)
+            if m.admit == "confidence" and prob < s.confidence_threshold:
+                break
+            if m.admit == "utility" and prefix * prob * costs.t_ar / costs.c_draft < s.utility_threshold:
+                break  # even with ΔC_ver = 0 the token cannot pay for itself: skip its draft pass
+            # AE needs token i's experts before admitting it; other rules only need the next logits
+            need_next = m.admit == "utility" or len(d.tokens) + 1 < length
+            if need_next:
+                next_logits, rec = self.model.forward([token], kv, policy=self.draft_policy, logits="last")
+                self.metrics.draft_passes += 1
+            if m.admit == "utility":
+                new = self._predicted_experts(rec, 0) - selected
+                delta = marginal_verification_cost(new, self._resident, costs)
+                utility = prefix * prob * costs.t_ar / (delta + costs.c_draft)
+                if utility < s.utility_threshold:
+                    break
+                selected |= new
+            prefix *= prob
+            d.tokens.append(token)
+            d.token_probs.append(prob)
+            d.dists.append(dist)
+            if need_next:
+                logits = next_logits[-1]
+        return d
+
+    # -- verification ---------------------------------------------------------------------------
+    def _verify_policy(self, confidences: list[float]) -> RoutingPolicy:
+        if not self.method.reuse_gating:
+            return TARGET
+        s = self.settings
+        rg = ReuseGating(self.top_k, s.reuse_cap_for(self.top_k), s.rg_variant, s.rg_strength,
+                         np.asarray(confidences))
+        return RoutingPolicy(selection_bias=rg.bias)
+
+    def _accept_chain(self, logits: np.ndarray, d: Draft, rng, offset: int = 0) -> tuple[int, int]:
+        """(accepted count, next token) for a chain whose i-th token sits at batch row offset+i+1;
+        its parent row is 0 (the root) for i = 0, else offset+i."""
+        rows = [0] + [offset + i + 1 for i in range(len(d.tokens))]
+        for i, token in enumerate(d.tokens):
+            parent = logits[rows[i]]
+            if self.params.greedy:
+                if int(np.argmax(parent)) != token:
+                    return i, int(np.argmax(parent))
+                continue
+            p = probabilities(parent, self.params)
+            q = d.dists[i]
+            if rng.random() < min(1.0, p[token] / q[token]):
+                continue
+            residual = np.maximum(p - q, 0.0)  # resample from the part of p that q under-covers
+            total = residual.sum()
+            return i, int(rng.choice(residual.size, p=residual / total if total > 0 else p))
+        return len(d.tokens), sample(logits[rows[-1]], self.params, rng)
+
+    def _verify(self, root: int, P: int, branches: list[Draft], kv: KVCache, rng) -> tuple[list[int], int]:
+        """One target pass over [root, branch tokens…]; commits the accepted path's KV."""
+        tokens, positions, confidences = [root], [P], [1.0]
+        mask_rows = []
+        for d in branches:
+            base = len(tokens)
+            for i, t in enumerate(d.tokens):
+                tokens.append(t)
+                positions.append(P + 1 + i)
+                confidences.append(d.token_probs[i])
+                mask_rows.append((base + i, [0] + list(range(base, base + i + 1))))
+        tree = None
+        if len(branches) > 1:
+            tree = np.zeros((len(tokens), len(tokens)), dtype=bool)
+            tree[0, 0] = True
+            for row, visible in mask_rows:
+                tree[row, visible] = True
+        tv = time.perf_counter()
+        with phase_of(self.model, "verify"):
+            logits, rec = self.model.forward(tokens, kv, start=P, policy=self._verify_policy(confidences),
+                                             positions=positions if tree is not None else None, tree_mask=tree)
+        self.metrics.verify_seconds += time.perf_counter() - tv
+        best, offset = None, 0
+        for b, d in enumerate(branches):
+            a, nxt = self._accept_chain(logits, d, rng, offset)
+            if best is None or a > best[0]:
+                best = (a, nxt, b, offset)
+            offset += len(d.tokens)
+        a, nxt, b, offset = best
+        slots = [P] + [P + 1 + offset + i for i in range(a)]
+        kv.keep(slots, P)  # the accepted path's target-computed KV, moved into place
+        kv.commit(P + 1 + a)
+        self.metrics.record_verification(rec, len(tokens), [0] + [1 + offset + i for i in range(a)],
+                                         sum(len(d.tokens) for d in branches), a, self.top_k)
+        self._last_branch = b
+        return branches[b].tokens[:a], nxt
+
+    # -- cascade (arXiv 2506.20675): test each K briefly, then use the best for a while -----------
+    def _cascade_options(self) -> list[int]:
+        cap = self.settings.draft_cap
+        return sorted({0, 1, max(cap // 2, 1), cap})
+
+    def _cascade_observe(self, k: int, produced: int, seconds: float) -> None:
+        if self.method.admit != "cascade":
+            return
+        st = self.__dict__.setdefault("_cascade", {"phase": "test", "i": 0, "obs": {}, "left": 0})
+        if st["phase"] == "test":
+            st["obs"].setdefault(k, []).append((produced, seconds))
+            options = self._cascade_options()
+            st["i"] += 1
+            per = self.settings.cascade_test_iters
+            if st["i"] >= per * len(options):
+                goodput = {o: sum(p for p, _ in v) / max(sum(t for _, t in v), 1e-9) for o, v in st["obs"].items()}
+                self._cascade_k = max(goodput, key=goodput.get)
+                st.update(phase="set", left=self.settings.cascade_set_iters, obs={}, i=0)
+                self.metrics.cascade_choices.append(self._cascade_k)
+            else:
+                self._cascade_k = options[st["i"] // per]
+        else:
+            st["left"] -= 1
+            if st["left"] <= 0:
+                st["phase"] = "test"
+                self._cascade_k = self._cascade_options()[0]
+
+    # -- the loop -------------------------------------------------------------------------------
+    def generate(self, prompt: Iterable[int], max_tokens: int, stop_ids: Iterable[int] = (),
+                 on_token: Callable[[int], None] | None = None) -> SpecResult:
+        m, s = self.method, self.settings
+        prompt = [int(t) for t in prompt]
+        stop = set(stop_ids)
+        rng = np.random.default_rng(self.params.seed)
+        width = m.tree_width if self.params.greedy else 1  # trees verify greedily only
+        longest = max(s.draft_cap, m.fixed_length or 0)
+        capacity = len(prompt) + max_tokens + width * longest + 2
+        kv = self.model.new_cache(capacity)
+        draft_kv = kv if m.share_kv else self.model.new_cache(capacity)
+        self.metrics = SpecMetrics()
+        self.__dict__.pop("_cascade", None)
+        self._cascade_k = self._cascade_options()[0] if m.admit == "cascade" else None
+        out: list[int] = []
+
+        def emit(tokens: list[int]) -> bool:
+            for t in tokens:
+                out.append(t)
+                if on_token:
+                    on_token(t)
+                if t in stop or len(out) >= max_tokens:
+                    return True
+            return False
+
+        t0 = time.perf_counter()
+        with phase_of(self.model, "prefill"):
+            logits, _ = self.model.forward(prompt, kv, logits="last", record=False)
+        kv.commit(len(prompt))
+        prefill = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if not m.share_kv:  # the draft keeps its own approximate KV, from its own prefill
+            with phase_of(self.model, "draft"):
+                self.model.forward(prompt, draft_kv, policy=self.draft_policy, logits="last", record=False)
+            draft_kv.commit(len(prompt))
+        done = emit([sample(logits[-1], self.params, rng)])
+        while not done:
+            root, P = out[-1], kv.length
+            length = self._draft_length()
+            started = time.perf_counter()
+            if m.admit == "none" or length == 0:
+                with phase_of(self.model, "ar"):
+                    logits, _ = self.model.forward([root], kv, logits="last", record=False)
+                kv.commit(P + 1)
+                self.metrics.ar_steps += 1
+                done = emit([sample(logits[-1], self.params, rng)])
+                self._cascade_observe(length, 1, time.perf_counter() - started)
+                continue
+            history = prompt + out
+            feed = history[draft_kv.filled:] if not m.share_kv else [root]
+            td = time.perf_counter()
+            with phase_of(self.model, "draft"):
+                root_logits, root_experts = self._draft_root(feed, draft_kv)
+                branches = [self._draft_chain(draft_kv, rng, length, root_logits, root_experts)]
+                if width > 1 and branches[0].tokens:
+                    runner_up = int(top_k_indices(root_logits[None, :], 2)[0, 1])
+                    draft_kv.rollback(P + 1)
+                    branches.append(self._draft_chain(draft_kv, rng, length, root_logits, root_experts,
+                                                      first=runner_up))
+            self.metrics.draft_seconds += time.perf_counter() - td
+            branches = [b for b in branches if b.tokens] or branches[:1]
+            if m.share_kv:
+                kv.rollback(P)  # context alignment: draft KV never reaches the committed cache
+            if not branches[0].tokens:  # nothing admitted: the verification is a plain AR step
+                self.metrics.empty_drafts += 1
+            accepted, nxt = self._verify(root, P, branches, kv, rng)
+            if not m.share_kv:
+                # the draft cache is valid up to the accepted tokens only if it holds the accepted
+                # branch (the last one drafted); otherwise keep the root and catch up next time
+                valid = P + 1 + len(accepted) if self._last_branch == len(branches) - 1 else P + 1
+                draft_kv.rollback(min(draft_kv.filled, valid))
+                draft_kv.commit(draft_kv.filled)
+            done = emit(accepted + [nxt])
+            self._cascade_observe(length, len(accepted) + 1, time.perf_counter() - started)
+        decode = time.perf_counter() - t1
+        # tokens accepted past max_tokens were committed but never emitted: drop their KV too
+        kv.rollback(min(kv.length, len(prompt) + len(out) - 1))
+        self.kv = kv  # kept for inspection (tests compare it with a fresh prefill)
+        reason = "eos" if out and out[-1] in stop else "max_tokens"
+        return SpecResult(prompt, out, prefill, decode, reason, self.metrics)

@@ -1,0 +1,154 @@
+"""S²-MoE decoding and baselines: lossless when gating is off; AE, RG and rollback pinned down."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from s2moe.runtime.cost_model import CostConstants
+from s2moe.runtime.engine import build_engine
+from s2moe.runtime.gating import ReuseGating
+from s2moe.runtime.generate import generate_ar
+from s2moe.runtime.methods import SpecSettings, get_method
+from s2moe.runtime.routing import RoutingPolicy, route, softmax
+from s2moe.runtime.sampling import SamplingParams, probabilities
+from s2moe.runtime.speculative import SpeculativeDecoder, marginal_verification_cost
+
+LOSSLESS = ["ca", "ca+ae", "s2moe", "es", "confidence", "cascade"]
+# Tiny random models give near-uniform draft probabilities, so a realistic T_AR admits nothing;
+# a large T_AR makes AE admit and exercises the whole verify/commit path.
+EAGER = CostConstants(t_ar=50.0, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.0002)
+FRUGAL = CostConstants(t_ar=0.5, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.0002)
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [list(rng.integers(0, 380, rng.integers(3, 12))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("family,budget", [("olmoe", None), ("olmoe", "0.25"), ("qwen3_moe", "0.5"),
+                                           ("mixtral", "0.1")])
+def test_greedy_methods_equal_ar(tiny_model_dirs, family, budget):
+    folder = tiny_model_dirs[family][1]
+    engine = build_engine(folder, budget)
+    prompts = _prompts(20, seed=len(family))
+    expected = [generate_ar(engine.model, p, 16).tokens for p in prompts]
+    for name in LOSSLESS:
+        spec = get_method(name, reuse_gating=False)
+        for costs in (EAGER, FRUGAL):
+            dec = SpeculativeDecoder(engine.model, spec, SpecSettings(draft_topk=1, draft_cap=5), costs)
+            got = [dec.generate(p, 16).tokens for p in prompts]
+            assert got == expected, (name, costs.t_ar)
+
+
+def test_no_share_kv_ablation_is_lossless(tiny_model_dirs):
+    engine = build_engine(tiny_model_dirs["qwen3_moe"][1], "0.25")
+    spec = get_method("ca+ae", share_kv=False)
+    dec = SpeculativeDecoder(engine.model, spec, SpecSettings(draft_topk=1, draft_cap=4), EAGER)
+    for p in _prompts(6, seed=3):
+        assert dec.generate(p, 20).tokens == generate_ar(engine.model, p, 20).tokens
+
+
+@pytest.mark.parametrize("name", ["ca+ae", "es", "cascade"])
+def test_committed_kv_equals_fresh_prefill(tiny_model_dirs, name):
+    engine = build_engine(tiny_model_dirs["olmoe"][1], "0.5")
+    dec = SpeculativeDecoder(engine.model, get_method(name), SpecSettings(draft_topk=1, draft_cap=5), EAGER)
+    prompt = _prompts(1, seed=9)[0]
+    result = dec.generate(prompt, 23)
+    text = prompt + result.tokens[:-1]  # the last token is pending (not in KV yet)
+    assert dec.kv.length == len(text)
+    fresh = engine.model.new_cache(len(text))
+    engine.model.forward(text, fresh, record=False)
+    for L in range(engine.model.config.num_layers):
+        np.testing.assert_allclose(dec.kv.keys[L][:, :len(text)], fresh.keys[L], atol=1e-5)
+        np.testing.assert_allclose(dec.kv.values[L][:, :len(text)], fresh.values[L], atol=1e-5)
+
+
+def test_stochastic_verification_preserves_the_target_distribution(tiny_model_dirs):
+    """Chi-square on the joint law of the first two sampled tokens (top-k 3 → 9 outcomes)."""
+    engine = build_engine(tiny_model_dirs["olmoe"][1])
+    model = engine.model
+    params = SamplingParams(temperature=1.0, top_k=3)
+    prompt = [5, 17, 42]
+    kv = model.new_cache(8)
+    logits, _ = model.forward(prompt, kv, record=False)
+    kv.commit(3)
+    p1 = probabilities(logits[-1], params)
+    expected = {}
+    for t1 in np.nonzero(p1)[0]:
+        kv.rollback(3)
+        l2, _ = model.forward([int(t1)], kv, record=False)
+        p2 = probabilities(l2[-1], params)
+        for t2 in np.nonzero(p2)[0]:
+            expected[(int(t1), int(t2))] = p1[t1] * p2[t2]
+    spec = get_method("ca", reuse_gating=False)  # fixed-length chain: every token drafted
+    counts = dict.fromkeys(expected, 0)
+    n = 1500
+    for seed in range(n):
+        dec = SpeculativeDecoder(model, spec, SpecSettings(draft_topk=1, draft_cap=2), EAGER,
+                                 SamplingParams(temperature=1.0, top_k=3, seed=seed))
+        toks = tuple(dec.generate(prompt, 2).tokens)
+        counts[toks] += 1
+    keys = sorted(expected)
+    f_obs = np.array([counts[k] for k in keys])
+    f_exp = np.array([expected[k] for k in keys]) * n
+    assert f_obs.sum() == n
+    assert stats.chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+def test_marginal_cost_counts_only_new_experts_and_resident_is_cheaper():
+    costs = CostConstants(t_ar=1.0, c_draft=0.1, t_exp_miss=0.01, t_exp_hit=0.001)
+    E_i = {(0, 1), (0, 2), (1, 3)}
+    S = {(0, 1)}
+    assert marginal_verification_cost(E_i - S, lambda k: False, costs) == pytest.approx(0.02)
+    assert marginal_verification_cost(E_i - S, lambda k: k == (1, 3), costs) == pytest.approx(0.011)
+    assert marginal_verification_cost(E_i - E_i, lambda k: False, costs) == 0.0
+
+
+def test_utility_rule_admits_more_when_verification_is_cheap(tiny_model_dirs):
+    engine = build_engine(tiny_model_dirs["olmoe"][1])
+    spec = get_method("ca+ae")
+    lengths = []
+    for miss in (10.0, 0.0):
+        costs = CostConstants(t_ar=2.0, c_draft=0.002, t_exp_miss=miss, t_exp_hit=miss)
+        dec = SpeculativeDecoder(engine.model, spec, SpecSettings(draft_topk=1, draft_cap=6), costs)
+        lengths.append(dec.generate([1, 2, 3], 24).stats()["mean_draft_length"])
+    assert lengths[0] < lengths[1]
+
+
+@pytest.mark.parametrize("variant", ["paper", "code"])
+def test_reuse_gating_no_op_cases(variant, rng):
+    logits = rng.normal(size=(4, 16))
+    assert ReuseGating(2, 4, variant).bias(0, logits[:1]) is None  # B = 1
+    assert ReuseGating(2, 0, variant).bias(0, logits) is None  # cap 0
+    assert ReuseGating(2, 4, variant, strength=0.0).bias(0, logits) is None  # λ = 0
+    assert ReuseGating(2, 4, "paper", confidences=np.zeros(4)).bias(0, logits) is None  # all w = 0
+    assert ReuseGating(2, 4, variant, confidences=np.ones(4)).bias(0, logits) is not None
+
+
+def test_reuse_gating_bias_changes_selection_never_weights(rng):
+    logits = rng.normal(size=(6, 16)).astype(np.float32)
+    rg = ReuseGating(top_k=2, cap=3, strength=1000.0, confidences=rng.uniform(0.2, 1, 6))
+    bias = rg.bias(0, logits)
+    experts, weights = route(logits, 2, "softmax_topk", False, bias)
+    preferred = set(np.nonzero(bias[0])[0])
+    assert len(preferred) == 3 and set(experts.ravel()) <= preferred  # large λ: all pick from E*
+    probs = softmax(logits.copy())
+    np.testing.assert_allclose(weights, np.take_along_axis(probs, experts, -1), rtol=1e-6)
+
+
+def test_reuse_gating_lowers_reuse_ratio(tiny_model_dirs):
+    engine = build_engine(tiny_model_dirs["olmoe"][1])
+    ratios = []
+    for rg in (False, True):
+        dec = SpeculativeDecoder(engine.model, get_method("s2moe", reuse_gating=rg),
+                                 SpecSettings(draft_topk=1, draft_cap=6, rg_strength=1.0), EAGER)
+        ratios.append(dec.generate([3, 1, 4, 1, 5], 40).stats()["reuse_ratio"])
+    assert ratios[1] < ratios[0]
+
+
+def test_draft_policy_uses_fewer_experts(tiny_model_dirs):
+    engine = build_engine(tiny_model_dirs["olmoe"][1])
+    _, rec = engine.model.forward([1, 2, 3], engine.model.new_cache(3), policy=RoutingPolicy(top_k=1))
+    assert all(r.experts.shape[1] == 1 for r in rec.layers.values())
