@@ -1,4 +1,7 @@
-"""The `s2moe-calib` command. Measurement commands build on the runtime's own code paths."""
+"""The `s2moe-calib` command: probe, profile, validate, fit, export, schema.
+
+One module per command; the runtime's error table turns user errors into one line and exit 2.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +13,21 @@ from rich.table import Table
 from s2moe.runtime.cli.common import out, print_json
 from s2moe.runtime.cli.errors import cli_errors
 
+from .fit_export import export, fit
+from .profile_cmd import profile
+from .validate_cmd import validate
+
 app = typer.Typer(
     name="s2moe-calib",
-    help="Measure a device and write the profile `s2moe run` consumes.",
+    help="Measure a device and write the profile `s2moe run` consumes. Porting = profile + validate.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-
-@app.callback()
-def _group() -> None:
-    """Measure a device and write the profile `s2moe run` consumes."""
+app.command("profile")(profile)
+app.command("validate")(validate)
+app.command("fit")(fit)
+app.command("export")(export)
 
 
 @app.command("probe")
@@ -41,6 +47,14 @@ def probe_cmd(
         for key, value in facts.items():
             table.add_row(key, str(value))
         out.print(table)
+
+
+@app.command("schema")
+def schema_cmd():
+    """Print the profile JSON Schema (profiles/schema.json is generated from this)."""
+    from s2moe.runtime.profile import schema_json
+
+    out.print(schema_json(), markup=False, highlight=False, end="")
 
 
 def main() -> None:

@@ -162,6 +162,12 @@ class ExpertCache:
         for k in keys:
             self.policy.remove(k)  # pinned experts are never victims
 
+    def clear(self) -> None:
+        """Evict every expert that is not pinned (calibration sets cache states this way)."""
+        for key in [k for k in self.held if k not in self.pinned]:
+            self.policy.remove(key)
+            self.resident_bytes -= self.held.pop(key).nbytes
+
     def _evict_for(self, size: int, protected: set[Key]) -> bool:
         if self.capacity is None:
             return True

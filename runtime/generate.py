@@ -9,6 +9,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .model import MoEModel
+from .routing import TARGET, RoutingPolicy
 from .sampling import SamplingParams, sample
 
 
@@ -19,6 +20,7 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     stop_reason: str = "max_tokens"
+    step_seconds: list[float] = field(default_factory=list)  # each decode step's wall time
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -44,7 +46,9 @@ def generate_ar(
     params: SamplingParams = SamplingParams(),
     stop_ids: Iterable[int] = (),
     on_token: Callable[[int], None] | None = None,
+    policy: RoutingPolicy = TARGET,
 ) -> GenerationResult:
+    """Greedy or sampled AR decoding. ``policy`` lets calibration time the draft configuration."""
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise ValueError("empty prompt")
@@ -56,7 +60,7 @@ def generate_ar(
 
     t0 = time.perf_counter()
     with phase_of(model, "prefill"):
-        logits, _ = model.forward(prompt, kv, logits="last", record=False)
+        logits, _ = model.forward(prompt, kv, logits="last", record=False, policy=policy)
     kv.commit(len(prompt))
     result.prefill_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -70,8 +74,10 @@ def generate_ar(
             break
         if len(result.tokens) >= max_tokens:
             break
+        ts = time.perf_counter()
         with phase_of(model, "ar"):
-            logits, _ = model.forward([token], kv, logits="last", record=False)
+            logits, _ = model.forward([token], kv, logits="last", record=False, policy=policy)
         kv.commit(kv.filled)
+        result.step_seconds.append(time.perf_counter() - ts)
     result.decode_seconds = time.perf_counter() - t1
     return result

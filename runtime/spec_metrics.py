@@ -28,6 +28,8 @@ class SpecMetrics:
     reuse_ratios: list[float] = field(default_factory=list)
     effective_costs: list[float] = field(default_factory=list)
     cascade_choices: list[int] = field(default_factory=list)
+    # one row per verification pass: (n_tokens, n_missing, n_resident, seconds) for the cost model
+    verify_samples: list[tuple[int, int, int, float]] = field(default_factory=list)
 
     def record_verification(self, record, batch: int, accepted_rows: list[int], drafted: int, accepted: int,
                             top_k: int) -> None:

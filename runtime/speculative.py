@@ -197,11 +197,18 @@ class SpeculativeDecoder:
             tree[0, 0] = True
             for row, visible in mask_rows:
                 tree[row, visible] = True
+        policy = self._verify_policy(confidences)
+        stats = getattr(self.cache, "stats", None)
+        before = (stats["verify"].misses, stats["verify"].hits) if stats is not None else (0, 0)
         tv = time.perf_counter()
         with phase_of(self.model, "verify"):
-            logits, rec = self.model.forward(tokens, kv, start=P, policy=self._verify_policy(confidences),
+            logits, rec = self.model.forward(tokens, kv, start=P, policy=policy,
                                              positions=positions if tree is not None else None, tree_mask=tree)
-        self.metrics.verify_seconds += time.perf_counter() - tv
+        took = time.perf_counter() - tv
+        self.metrics.verify_seconds += took
+        if stats is not None:
+            v = stats["verify"]
+            self.metrics.verify_samples.append((len(tokens), v.misses - before[0], v.hits - before[1], took))
         best, offset = None, 0
         for b, d in enumerate(branches):
             a, nxt = self._accept_chain(logits, d, rng, offset)

@@ -155,6 +155,17 @@ class ExpertStore:
                 time.sleep(left)
         return ExpertWeights(*arrays)
 
+    def timed_read(self, path: str, offset: int, nbytes: int) -> float:
+        """Seconds for one raw request through this tier (O_DIRECT and emulation as configured)."""
+        ref = TensorRef(path, f"probe@{offset}", offset, nbytes, "F32", (nbytes // 4,))
+        t0 = time.perf_counter()
+        self._read_range(ref, f"bandwidth probe at byte {offset}")
+        if self.emulation.active:
+            left = self.emulation.finish_time(t0, nbytes) - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+        return time.perf_counter() - t0
+
     def read_many(self, layer: int, experts: list[int]) -> list[ExpertWeights]:
         if self._pool is None or len(experts) < 2:
             return [self.read(layer, e) for e in experts]

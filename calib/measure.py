@@ -1,0 +1,142 @@
+"""Measurement stages of `s2moe-calib profile`, each built on the runtime's own code paths.
+
+- `offload_bandwidth`: raw requests through the expert store (O_DIRECT, emulation as configured)
+  at several sizes around the expert size, fitted as latency = a + bytes / BW.
+- `verification_samples`: real verification passes over workload text with a controlled number of
+  distinct experts missing from / resident in the cache; the cost model is fitted on these.
+- `decode_step_times`: AR decode steps at the budget (T_AR) and draft steps (C_draft).
+- `routing_traces`: per-token expert choices on workload text, for the hot-expert stage.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+from s2moe.runtime.generate import generate_ar
+from s2moe.runtime.model import MoEModel
+from s2moe.runtime.routing import RoutingPolicy
+
+Tick = Callable[[], None]
+
+
+def _noop() -> None:
+    pass
+
+
+def offload_bandwidth(store, loaded, reps: int = 6, tick: Tick = _noop, seed: int = 0) -> dict:
+    """Time raw reads at request sizes around the expert size; fit latency = a + bytes / BW."""
+    expert = next(iter(loaded.experts.values()))
+    path = expert.gate.path
+    size = os.path.getsize(path)
+    base = max(expert.stored_bytes, 64 << 10)
+    sizes = sorted({max(4096, int(base * f) // 4096 * 4096) for f in (0.25, 0.5, 1, 2, 4)})
+    sizes = [s for s in sizes if s < size // 2] or [4096]
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(reps):
+        for nbytes in sizes:
+            # random aligned offsets: repeated offsets would time the host cache, not the storage
+            offset = rng.randrange(0, max(size - nbytes, 1)) // 4096 * 4096
+            samples.append((nbytes, store.timed_read(path, offset, nbytes)))
+            tick()
+    x = np.array([s[0] for s in samples], dtype=np.float64)
+    y = np.array([s[1] for s in samples], dtype=np.float64)
+    slope, intercept = np.polyfit(x, y, 1)
+    pred = slope * x + intercept
+    r2 = 1 - ((y - pred) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-30)
+    return {
+        "bandwidth_mb_s": float(1 / slope / 1e6) if slope > 0 else float("inf"),
+        "latency_us": float(max(intercept, 0.0) * 1e6),
+        "fit_r2": float(r2),
+        "request_sizes": sizes,
+        "samples": samples,
+    }
+
+
+def _contexts(token_lists: list[list[int]], context: int, batch: int) -> list[tuple[list[int], list[int]]]:
+    """(context tokens, following tokens) windows cut from the workload's token streams."""
+    out = []
+    for ids in token_lists:
+        for start in range(0, max(len(ids) - context - batch, 0) + 1, context + batch):
+            ctx, nxt = ids[start:start + context], ids[start + context:start + context + batch]
+            if len(ctx) == context and len(nxt) == batch:
+                out.append((ctx, nxt))
+    return out
+
+
+def verification_samples(model: MoEModel, cache, token_lists: list[list[int]], max_batch: int, n_samples: int,
+                          tick: Tick = _noop, seed: int = 0, context: int = 24) -> list[dict]:
+    """Timed target passes of 1..max_batch tokens with a chosen share of their experts resident.
+
+    For each sample: one untimed pass finds the distinct experts N the batch needs; the cache is
+    then set to hold a random subset R of N (nothing else but pinned experts), and the timed pass
+    fetches N \\ R and hits R.
+    """
+    rng = np.random.default_rng(seed)
+    windows = _contexts(token_lists, context, max_batch)
+    if not windows:
+        raise ValueError("workload too short for verification samples")
+    fractions = (0.0, 0.25, 0.5, 0.75, 1.0)
+    kv = model.new_cache(context + max_batch + 1)
+    samples = []
+    with cache.in_phase("calibrate"):
+        for i in range(n_samples):
+            ctx, nxt = windows[i % len(windows)]
+            n = int(rng.integers(1, max_batch + 1))
+            batch = nxt[:n]
+            kv.rollback(0)
+            model.forward(ctx, kv, logits="last", record=False)
+            kv.commit(len(ctx))
+            _, rec = model.forward(batch, kv, start=len(ctx))
+            needed = sorted(rec.unique_experts())
+            frac = fractions[i % len(fractions)]
+            keep = [needed[j] for j in rng.permutation(len(needed))[: int(round(frac * len(needed)))]]
+            cache.clear()
+            for L in sorted({k[0] for k in keep}):
+                cache.get(L, [e for layer, e in keep if layer == L])
+            resident = sum(1 for k in needed if cache.contains(*k))
+            kv.rollback(len(ctx))
+            before = cache.stats["calibrate"].misses
+            t0 = time.perf_counter()
+            model.forward(batch, kv, start=len(ctx), logits="all", record=False)
+            seconds = time.perf_counter() - t0
+            missing = cache.stats["calibrate"].misses - before
+            samples.append({"n_tokens": n, "n_missing": missing, "n_resident": resident, "seconds": seconds})
+            tick()
+    cache.clear()
+    return samples
+
+
+def decode_step_times(model: MoEModel, prompts: list[list[int]], tokens: int, policy: RoutingPolicy,
+                      tick: Tick = _noop) -> list[float]:
+    """Per-step wall times of AR decoding (with the target, or the draft's policy for C_draft)."""
+    steps: list[float] = []
+    for ids in prompts:
+        res = generate_ar(model, ids, tokens, policy=policy)
+        steps.extend(res.step_seconds[1:])  # the first step still carries prompt-side misses
+        tick()
+    return steps
+
+
+def routing_traces(model: MoEModel, token_lists: list[list[int]], tick: Tick = _noop) -> list[list[tuple[int, list[int]]]]:
+    """Per token: [(layer, experts)] chosen by the target on workload text (teacher-forced)."""
+    traces = []
+    for ids in token_lists:
+        kv = model.new_cache(len(ids))
+        _, rec = model.forward(ids, kv)
+        for t in range(len(ids)):
+            traces.append([(L, [int(e) for e in r.experts[t]]) for L, r in sorted(rec.layers.items())])
+        tick()
+    return traces
+
+
+def summarize(samples: list[float]) -> dict:
+    arr = np.array(samples)
+    return {"median": float(np.median(arr)), "p90": float(np.percentile(arr, 90)), "n": len(samples),
+            "mean": float(statistics.fmean(samples))}

@@ -1,0 +1,221 @@
+"""`s2moe-calib profile`: measure this device for one model and budget; write a device profile.
+
+Stages (each with a progress bar, stderr): device probe → offload bandwidth and latency → expert
+bytes → verification cost (T_exp miss/hit, base, per token) → hot experts → T_AR and C_draft.
+Raw samples are written beside the profile after every stage (`NAME.samples.json`); the profile
+itself is written once, atomically, at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from typing import Optional
+
+import numpy as np
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from s2moe import __version__
+from s2moe.runtime.budget import Budget, plan_memory
+from s2moe.runtime.cli.common import err, print_json, resolve_model
+from s2moe.runtime.cli.errors import cli_errors
+from s2moe.runtime.cli.spec_options import default_draft_topk
+from s2moe.runtime.cost_model import FEATURES, VerificationCostModel
+from s2moe.runtime.errors import UsageError
+from s2moe.runtime.profile import model_fingerprint, save_profile, write_json_atomic
+from s2moe.runtime.records import git_commit
+from s2moe.runtime.routing import TARGET, RoutingPolicy
+
+from . import hot as hot_mod
+from . import measure
+from .devices import resolve_device
+
+
+def _workload_tokens(tok, workload: str | None, max_len: int = 192, max_records: int = 96
+                     ) -> tuple[list[list[int]], list[list[int]], str]:
+    """Profiling split (even records) and held-out split (odd records) of a workload's first records."""
+    from s2moe.runtime.bench import resolve_workload
+    from s2moe.runtime.prompts import load_workload
+
+    path = resolve_workload(workload or "default")
+    ids = [tok.encode(p).ids[:max_len] for p in load_workload(path)[:max_records]]
+    ids = [i for i in ids if len(i) >= 8]
+    if len(ids) < 4:
+        raise UsageError(f"{path}: need at least 4 prompts of 8+ tokens for profiling")
+    return ids[0::2], ids[1::2], str(path)
+
+
+@contextmanager
+def _progress():
+    with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=False) as p:
+        yield p
+
+
+def fit_cost_model(samples: list[dict]) -> tuple[VerificationCostModel, float, float]:
+    X = np.array([[s[f] for f in FEATURES] for s in samples], dtype=np.float64)
+    y = np.array([s["seconds"] for s in samples])
+    model = VerificationCostModel().fit(X, y)
+    return model, model.score(X, y), model.mape(X, y)
+
+
+def run_profile(model_path: str, device: str, budget: str | None, workload: str | None, out: str,
+                draft_topk: int | None, samples_n: int, emulate_bandwidth: float | None, emulate_latency: float,
+                fetch_threads: int, decode_tokens: int, policy: str = "lfu") -> dict:
+    from s2moe.runtime.cache import ExpertCache
+    from s2moe.runtime.engine import build_engine
+    from s2moe.runtime.loader import load_model
+    from s2moe.runtime.model import MoEModel
+    from s2moe.runtime.store import Emulation, ExpertStore
+    from s2moe.runtime.tokenizer import load_tokenizer
+
+    kind, facts = resolve_device(device, model_path)
+    loaded = load_model(model_path)
+    c = loaded.config
+    tok = load_tokenizer(loaded)
+    profiling, heldout, workload_path = _workload_tokens(tok, workload)
+    draft_k = draft_topk or default_draft_topk(c.top_k)
+    draft_cap = 8
+    emulation = Emulation(emulate_bandwidth, emulate_latency)
+    samples_path = os.path.splitext(out)[0] + ".samples.json"
+    gathered: dict = {"model": loaded.path, "device": kind, "budget": budget or "1.0"}
+
+    def keep(stage: str, value) -> None:  # samples survive an interrupted run
+        gathered[stage] = value
+        write_json_atomic(samples_path, gathered)
+
+    with _progress() as progress:
+        # offload tier: raw requests at sizes around the expert size
+        store = ExpertStore(loaded, direct=True, emulation=emulation, threads=fetch_threads)
+        reps = 6
+        t = progress.add_task("offload bandwidth", total=reps * 5)
+        bw = measure.offload_bandwidth(store, loaded, reps, lambda: progress.advance(t))
+        progress.update(t, completed=reps * 5)
+        keep("offload", bw)
+
+        # verification cost: cache states under control, no budget in the way
+        cache = ExpertCache(store, capacity_bytes=None)
+        model = MoEModel(loaded, cache)
+        t = progress.add_task("verification passes (T_exp)", total=samples_n)
+        ver = measure.verification_samples(model, cache, profiling, draft_cap + 1, samples_n,
+                                           lambda: progress.advance(t))
+        keep("verification", ver)
+        cost_model, fit_r2, fit_mape = fit_cost_model(ver)
+
+        # hot experts for the budget
+        plan = plan_memory(loaded, Budget.parse(budget), 4096)
+        t = progress.add_task("routing traces (hot experts)", total=len(profiling) + len(heldout))
+        tick = lambda: progress.advance(t)  # noqa: E731
+        traces = (measure.routing_traces(model, profiling, tick), measure.routing_traces(model, heldout, tick))
+        sizes = {k: e.resident_bytes for k, e in loaded.experts.items()}
+        residency = hot_mod.plan_residency(*traces, sizes, plan.expert_capacity)
+        keep("hot_experts", residency)
+        store.close()
+
+        # T_AR and C_draft at the budget, with the chosen residency
+        pinned = [tuple(k) for k in residency["gpu_experts"]]
+        prompts = heldout[:6]
+        t = progress.add_task("decode steps (T_AR, C_draft)", total=2 * len(prompts))
+        tick = lambda: progress.advance(t)  # noqa: E731
+        engine = build_engine(loaded.path, budget, 4096, pinned, policy, emulate_bandwidth, emulate_latency,
+                              loaded=loaded)
+        t_ar = measure.decode_step_times(engine.model, prompts, decode_tokens, TARGET, tick)
+        engine.close()
+        engine = build_engine(loaded.path, budget, 4096, pinned, policy, emulate_bandwidth, emulate_latency,
+                              loaded=loaded)
+        c_draft = measure.decode_step_times(engine.model, prompts, decode_tokens, RoutingPolicy(top_k=draft_k), tick)
+        engine.close()
+        keep("decode_steps", {"t_ar": t_ar, "c_draft": c_draft})
+
+    ar, dr = measure.summarize(t_ar), measure.summarize(c_draft)
+    const = cost_model.constants(ar["median"], dr["median"], "profile")
+    per_layer = [{"layer": L, "stored": loaded.experts[L, 0].stored_bytes, "resident": loaded.experts[L, 0].resident_bytes}
+                 for L in c.moe_layer_ids]
+    ms = 1e3
+    return {
+        "schema_version": 1,
+        "source": "measured",
+        "device": {"kind": kind, "name": facts["name"], "memory_bytes": facts.get("memory_bytes"),
+                   "offload_tier": "file" if kind == "cpu" else ("host" if kind in ("cuda", "rtx4090") else "ssd"),
+                   "how_measured": "numpy backend; O_DIRECT reads of the model file; perf_counter wall time",
+                   "emulation": emulation.describe() if emulation.active else None, "facts": facts},
+        "model": {"name": os.path.basename(loaded.path.rstrip("/")), "architecture": c.arch,
+                  "fingerprint": model_fingerprint(loaded), "fingerprint_policy": "warn", "layers": c.num_layers,
+                  "experts": c.num_experts, "top_k": c.top_k,
+                  "expert_bytes_stored": next(iter(loaded.experts.values())).stored_bytes,
+                  "expert_bytes_resident": next(iter(loaded.experts.values())).resident_bytes,
+                  "expert_bytes_per_layer": per_layer},
+        "budget": {"spec": budget or "1.0", "expert_capacity_bytes": plan.expert_capacity, "total_bytes": plan.total},
+        "offload": {"bandwidth_mb_s": round(bw["bandwidth_mb_s"], 3), "latency_us": round(bw["latency_us"], 3),
+                    "fit_r2": round(bw["fit_r2"], 5), "fetch_threads": fetch_threads,
+                    "request_sizes": bw["request_sizes"],
+                    "emulation": {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
+                    if emulation.active else None},
+        "cost_model": {"t_ar_ms": ar["median"] * ms, "t_ar_p90_ms": ar["p90"] * ms, "c_draft_ms": dr["median"] * ms,
+                       "t_exp_miss_ms": const.t_exp_miss * ms, "t_exp_hit_ms": const.t_exp_hit * ms,
+                       "t_base_ms": const.t_base * ms, "t_token_ms": const.t_token * ms,
+                       "fit": {"r2": round(fit_r2, 5), "mape_percent": round(fit_mape * 100, 3), "n": len(ver),
+                               "features": list(FEATURES)}},
+        "hot_experts": residency,
+        "speculative": {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k,
+                        "utility_threshold": 1.0},
+        "validation": None,
+        "provenance": {"tool_version": __version__, "commit": git_commit(),
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "workload": workload_path, "samples": os.path.basename(samples_path)},
+    }
+
+
+def summary_table(profile: dict) -> Table:
+    c, o, h = profile["cost_model"], profile["offload"], profile["hot_experts"] or {}
+    t = Table(title=f"device profile · {profile['device']['kind']} · {profile['model']['name']} · "
+                    f"budget {profile['budget']['spec']}")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    rows = [
+        ("offload bandwidth", f"{o['bandwidth_mb_s']:.1f} MB/s"),
+        ("request latency", f"{o['latency_us']:.1f} µs (fit R² {o['fit_r2']:.3f})"),
+        ("expert bytes stored / resident", f"{profile['model']['expert_bytes_stored']:,} / "
+                                           f"{profile['model'].get('expert_bytes_resident') or 0:,}"),
+        ("T_exp miss / hit", f"{c['t_exp_miss_ms']:.4f} / {c['t_exp_hit_ms']:.4f} ms"),
+        ("verification base / per token", f"{c['t_base_ms']:.3f} / {c['t_token_ms']:.4f} ms"),
+        ("cost fit (in-sample)", f"R² {c['fit']['r2']:.4f} · MAPE {c['fit']['mape_percent']:.2f} % · n {c['fit']['n']}"),
+        ("T_AR median / p90", f"{c['t_ar_ms']:.3f} / {c['t_ar_p90_ms']:.3f} ms"),
+        ("C_draft (draft k %d)" % profile["speculative"]["draft_topk"], f"{c['c_draft_ms']:.3f} ms"),
+        ("residency strategy", f"{h.get('strategy')} ({len(h.get('gpu_experts', []))} pinned)"),
+        ("held-out hit rates", ", ".join(f"{k} {v:.1%}" for k, v in (h.get("heldout_hit_rates") or {}).items())),
+    ]
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def profile(
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, orin or rtx4090."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model to profile (default: the embedded model)."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget the profile is for (16g, 0.25, …)."),
+    workload: Optional[str] = typer.Option(None, "--workload", "-w", help="JSONL prompts (default: the packaged set)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Profile path (default profiles/<device>-<model>.json)."),
+    draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token to time C_draft with."),
+    samples: int = typer.Option(150, "--samples", min=10, help="Timed verification passes for the cost fit."),
+    decode_tokens: int = typer.Option(24, "--decode-tokens", min=4, help="Decode steps per prompt for T_AR / C_draft."),
+    fetch_threads: int = typer.Option(4, "--fetch-threads", min=1, help="Concurrent expert reads (as the runtime does)."),
+    emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
+    emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated request latency µs."),
+    json_out: bool = typer.Option(False, "--json", help="Print the profile JSON on stdout too."),
+):
+    """Measure T_exp, T_AR, C_draft, expert bytes, bandwidth and hot experts; write a profile."""
+    with cli_errors():
+        path = resolve_model(model)
+        name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
+        target = out or os.path.join("profiles", f"{device}-{name}.json")
+        data = run_profile(path, device, budget, workload, target, draft_topk, samples, emulate_bandwidth,
+                           emulate_latency, fetch_threads, decode_tokens)
+        save_profile(target, data)
+        err.print(summary_table(data))
+        err.print(f"wrote {target} (samples beside it); next: s2moe-calib validate --profile {target}")
+        if json_out:
+            print_json(data)
