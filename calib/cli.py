@@ -54,7 +54,9 @@ def schema_cmd():
     """Print the profile JSON Schema (profiles/schema.json is generated from this)."""
     from s2moe.runtime.profile import schema_json
 
-    out.print(schema_json(), markup=False, highlight=False, end="")
+    import sys
+
+    sys.stdout.write(schema_json())
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from s2moe.runtime.cli.common import err, out, print_json
+from s2moe.runtime.cli.common import err, print_json
 from s2moe.runtime.cli.errors import cli_errors
 
 MIB = 1 << 20
@@ -49,7 +49,7 @@ def fit(
             print_json(fitted)
         else:
             for k, v in fitted.items():
-                out.print(f"{k}: {v}")
+                print(f"{k}: {v}")
 
 
 def llama_cpp_flags(profile: dict) -> dict:
@@ -86,5 +86,5 @@ def export(
         if json_out:
             print_json(flags)
         else:
-            out.print(" ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items()), markup=False, highlight=False)
+            print(" ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items()))  # plain: no wrapping
         err.print(f"hot list ({len(hot)} experts) written to {target}")

@@ -209,6 +209,7 @@ def profile(
 ):
     """Measure T_exp, T_AR, C_draft, expert bytes, bandwidth and hot experts; write a profile."""
     with cli_errors():
+        resolve_device(device)  # a wrong --device fails before any model work
         path = resolve_model(model)
         name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
         target = out or os.path.join("profiles", f"{device}-{name}.json")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .common import err, out, resolve_model
+from .common import err, resolve_model
 from .errors import cli_errors
 
 
@@ -18,9 +18,10 @@ def bench(
     n_prompts: int = typer.Option(8, "--n-prompts", min=1, help="Prompts taken from the start of the workload."),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=2, help="Tokens per prompt (EOS ignored, as in the paper's runs)."),
     draft_topk: Optional[str] = typer.Option(None, "--draft-topk", help="Draft experts per token: K or K,LAYER:K,…"),
-    draft_cap: int = typer.Option(8, "--draft-cap"),
+    draft_cap: Optional[int] = typer.Option(None, "--draft-cap"),
     reuse_cap: Optional[int] = typer.Option(None, "--reuse-cap"),
-    utility_threshold: float = typer.Option(1.0, "--utility-threshold"),
+    utility_threshold: Optional[float] = typer.Option(None, "--utility-threshold"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Device profile (cost constants, settings, budget, hot list)."),
     rg_variant: str = typer.Option("paper", "--rg-variant"),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     seed: Optional[int] = typer.Option(0, "--seed"),
@@ -38,7 +39,7 @@ def bench(
         from ..records import machine_info, to_csv, to_json
         from ..sampling import SamplingParams
         from ..tokenizer import load_tokenizer
-        from .spec_options import make_settings
+        from .spec_options import apply_profile, make_settings
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
         from ..methods import get_method
@@ -47,11 +48,15 @@ def bench(
             get_method(name)  # fail fast on a typo
         loaded = load_model(resolve_model(model))
         tok = load_tokenizer(loaded)
-        settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant)
+        chosen = apply_profile(profile, loaded, budget, None)
+        settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
+                                 chosen.profile)
         params = SamplingParams(temperature=temperature, seed=seed)
         with Progress(console=err, transient=True) as progress:
             task = progress.add_task("bench", total=len(names) * n_prompts)
-            records = run_bench(loaded, tok, workload, names, budget, n_prompts, max_tokens, settings, None, params,
+            costs = chosen.profile.costs if chosen.profile is not None else None
+            records = run_bench(loaded, tok, workload, names, chosen.budget, n_prompts, max_tokens, settings, costs,
+                                params, hot=chosen.hot_experts,
                                 progress=lambda name: progress.update(task, advance=1, description=name),
                                 estimate=estimate_costs)
         table = Table(title=f"{records[0].params['workload']} · budget {budget or 'full'} · "
@@ -66,7 +71,7 @@ def bench(
         err.print(table)
         machine = machine_info()
         if json_path == "-":
-            out.print(to_json(records, machine), markup=False, highlight=False, soft_wrap=True)
+            print(to_json(records, machine))
         elif json_path:
             with open(json_path, "w") as f:
                 f.write(to_json(records, machine))

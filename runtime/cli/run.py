@@ -19,9 +19,10 @@ def run(
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=1, help="Tokens to generate at most."),
     method: str = typer.Option("s2moe", "--method", help="ar, es, confidence, cascade, ca, ca+ae, s2moe."),
     draft_topk: Optional[str] = typer.Option(None, "--draft-topk", help="Draft experts per token: K, or K,LAYER:K,… (default: from the profile, else k/4 for k ≥ 6, k/2 below)."),
-    draft_cap: int = typer.Option(8, "--draft-cap", help="Most draft tokens per verification."),
+    draft_cap: Optional[int] = typer.Option(None, "--draft-cap", help="Most draft tokens per verification (default: profile, else 8)."),
     reuse_cap: Optional[int] = typer.Option(None, "--reuse-cap", help="Reuse-aware gating's preferred-set size (default 2×k)."),
-    utility_threshold: float = typer.Option(1.0, "--utility-threshold", help="Admit a draft token while U_i ≥ this."),
+    utility_threshold: Optional[float] = typer.Option(None, "--utility-threshold", help="Admit a draft token while U_i ≥ this (default: profile, else 1)."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Device profile: budget, hot experts, cost constants, speculative settings (flags override)."),
     rg_variant: str = typer.Option("paper", "--rg-variant", help="Reuse-aware gating: paper (per-token λ, draft-confidence weights) or code (published code)."),
     no_rg: bool = typer.Option(False, "--no-rg", help="Turn reuse-aware gating off (lossless S²-MoE)."),
     no_share_kv: bool = typer.Option(False, "--no-share-kv", help="Ablation: the draft keeps its own KV cache."),
@@ -46,23 +47,25 @@ def run(
         from ..sampling import SamplingParams
         from ..speculative import SpeculativeDecoder
         from ..tokenizer import load_tokenizer
-        from .spec_options import describe_costs, make_settings
+        from .spec_options import apply_profile, describe_costs, make_settings
 
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         loaded = load_model(resolve_model(model))
-        settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant)
+        chosen = apply_profile(profile, loaded, budget, hot_experts)
+        settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
+                                 chosen.profile)
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(prompt).ids
         if not ids:
             raise typer.BadParameter("the prompt encodes to no tokens", param_hint="--prompt")
-        kv_positions = len(ids) + max_tokens + 2 * max(draft_cap, 8) + 2
-        engine = build_engine(loaded.path, budget, kv_positions, hot_experts, cache_policy,
+        kv_positions = len(ids) + max_tokens + 2 * max(settings.draft_cap, 8) + 2
+        engine = build_engine(loaded.path, chosen.budget, kv_positions, chosen.hot_experts, cache_policy,
                               emulate_bandwidth, emulate_latency, loaded=loaded)
         if engine.emulation.active:
             err.print(f"[yellow]{engine.emulation.describe()}: timings are not this machine's[/yellow]")
-        costs = None
-        if spec.admit in ("utility", "cascade") or spec.reuse_gating:
+        costs = chosen.profile.costs if chosen.profile is not None else None
+        if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
             costs = estimate_costs(engine.model, ids, settings_policy(settings))
             err.print(f"[dim]no --profile: estimated cost constants at start-up from timed passes: "
                       f"{describe_costs(costs)}[/dim]")

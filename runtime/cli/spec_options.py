@@ -1,8 +1,16 @@
-"""Options shared by `s2moe run` and `s2moe bench`: speculative settings and cost constants."""
+"""Options shared by `s2moe run` and `s2moe bench`: speculative settings, profiles, cost constants.
+
+Precedence: an explicit flag, then the profile, then the built-in default.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..methods import SpecSettings, parse_draft_topk
+from .common import err
+
+DEFAULTS = {"draft_cap": 8, "utility_threshold": 1.0}
 
 
 def default_draft_topk(top_k: int) -> int:
@@ -10,11 +18,45 @@ def default_draft_topk(top_k: int) -> int:
     return max(1, top_k // 4) if top_k >= 6 else max(1, top_k // 2)
 
 
-def make_settings(config, draft_topk: str | None, draft_cap: int, reuse_cap: int | None, threshold: float,
-                  rg_variant: str) -> SpecSettings:
-    default, overrides = parse_draft_topk(draft_topk) if draft_topk else (default_draft_topk(config.top_k), {})
-    return SpecSettings(draft_topk=default, layer_draft_topk=overrides, draft_cap=draft_cap, reuse_cap=reuse_cap,
-                        utility_threshold=threshold, rg_variant=rg_variant).validate(config.top_k, config.num_experts)
+def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_cap: int | None,
+                  threshold: float | None, rg_variant: str, profile=None) -> SpecSettings:
+    spec = profile.speculative if profile is not None else {}
+    if draft_topk:
+        default, overrides = parse_draft_topk(draft_topk)
+    else:
+        default, overrides = spec.get("draft_topk") or default_draft_topk(config.top_k), {}
+    pick = lambda flag, key: flag if flag is not None else spec.get(key, DEFAULTS.get(key))  # noqa: E731
+    return SpecSettings(draft_topk=default, layer_draft_topk=overrides, draft_cap=pick(draft_cap, "draft_cap"),
+                        reuse_cap=pick(reuse_cap, "reuse_cap"), utility_threshold=pick(threshold, "utility_threshold"),
+                        rg_variant=rg_variant).validate(config.top_k, config.num_experts)
+
+
+@dataclass
+class ProfileChoice:
+    """What a profile contributes to a run once checked against the model."""
+
+    profile: object | None
+    budget: str | None
+    hot_experts: object | None
+
+
+def apply_profile(profile_path: str | None, loaded, budget: str | None, hot_experts) -> ProfileChoice:
+    if not profile_path:
+        return ProfileChoice(None, budget, hot_experts)
+    from ..profile import ProfileError, load_profile, model_fingerprint
+
+    prof = load_profile(profile_path)
+    matches = prof.data["model"]["fingerprint"] == model_fingerprint(loaded)
+    hot = hot_experts
+    if not matches:
+        if prof.data["model"].get("fingerprint_policy") == "refuse":
+            raise ProfileError(f"{profile_path}: made for model {prof.data['model']['name']}, not {loaded.path}; "
+                               "run s2moe-calib profile for this model")
+        err.print(f"[yellow]warning: {profile_path} was made for {prof.data['model']['name']}, not this model: using "
+                  "its cost constants and settings, ignoring its hot-expert list[/yellow]")
+    elif hot is None and prof.hot_experts:
+        hot = prof.hot_experts
+    return ProfileChoice(prof, budget if budget is not None else prof.budget_spec, hot)
 
 
 def describe_costs(costs) -> str:

@@ -1,0 +1,171 @@
+"""Calibration: the cost fit, profiles and their schema, presets, export, interruption safety."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from s2moe.runtime.cost_model import VerificationCostModel
+from s2moe.runtime.profile import SCHEMA, ProfileError, load_profile, save_profile, schema_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESETS = ["orin-16g", "orin-32g", "orin-64g", "rtx4090"]
+
+
+def calib(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "s2moe.calib", *args], capture_output=True, text=True,
+                          timeout=600, cwd=cwd)
+
+
+def test_fit_recovers_known_constants_from_noisy_timings():
+    rng = np.random.default_rng(0)
+    n = 300
+    X = np.column_stack([rng.integers(1, 10, n), rng.integers(0, 60, n), rng.integers(0, 60, n)]).astype(float)
+    truth = dict(base=2e-3, token=3e-4, miss=8e-4, hit=5e-5)
+    y = truth["base"] + X @ np.array([truth["token"], truth["miss"], truth["hit"]])
+    y *= rng.normal(1.0, 0.02, n)  # 2 % multiplicative noise
+    model = VerificationCostModel().fit(X, y)
+    assert model is not None and model.n_samples_ == n
+    assert model.intercept_ == pytest.approx(truth["base"], rel=0.1)
+    np.testing.assert_allclose(model.coef_, [truth["token"], truth["miss"], truth["hit"]], rtol=0.1)
+    assert model.score(X, y) > 0.98
+    assert 0 < model.mape(X, y) < 0.03  # a fraction, not percent
+
+
+def test_schema_file_is_generated_from_the_code():
+    with open(os.path.join(ROOT, "profiles", "schema.json")) as f:
+        assert f.read() == schema_json(), "regenerate with: s2moe-calib schema > profiles/schema.json"
+    assert json.loads(schema_json()) == json.loads(json.dumps(SCHEMA))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_validate_and_export_reproduces_published_flags(name, tmp_path):
+    path = os.path.join(ROOT, "profiles", f"{name}.json")
+    prof = load_profile(path)
+    assert prof.data["source"] == "published"
+    pub = prof.data["published"]
+    # the constants the runtime uses are the published ones
+    assert prof.costs.t_ar == pytest.approx(pub["prune_tpot"] / 1e3)
+    assert prof.costs.t_exp_miss == pytest.approx(pub["prune_expert_bytes"] / pub["prune_bandwidth"] / 1e3, rel=1e-5)
+    hot = tmp_path / "hot.json"
+    r = calib("export", "--profile", path, "--format", "llama-cpp", "--json", "--hot-out", str(hot))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == pub
+    assert json.loads(hot.read_text()) == {"gpu_experts": []}
+    line = calib("export", "--profile", path, "--hot-out", str(hot)).stdout
+    assert f"--prune-tpot {pub['prune_tpot']}" in line and f"--draft {pub['draft']}" in line
+
+
+def _measured_like(tmp_path) -> dict:
+    data = json.load(open(os.path.join(ROOT, "profiles", "orin-16g.json")))
+    data.pop("published")
+    data["source"] = "measured"
+    return data
+
+
+def test_profile_round_trips(tmp_path):
+    data = _measured_like(tmp_path)
+    path = str(tmp_path / "p.json")
+    save_profile(path, data)
+    assert load_profile(path).data == data
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda d: d["cost_model"].pop("t_ar_ms"), "cost_model.t_ar_ms"),
+    (lambda d: d["cost_model"].__setitem__("c_draft_ms", "fast"), "cost_model.c_draft_ms"),
+    (lambda d: d.__setitem__("schema_version", 7), "schema_version"),
+    (lambda d: d["offload"].__setitem__("bandwidth_mb_s", -5.0), "offload.bandwidth_mb_s"),
+    (lambda d: d["speculative"].__setitem__("draft_topk", 0), "speculative.draft_topk"),
+    (lambda d: d.pop("model"), "model"),
+])
+def test_malformed_profiles_name_the_field(tmp_path, mutate, field):
+    data = _measured_like(tmp_path)
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError) as exc:
+        load_profile(str(path))
+    assert field in str(exc.value) and str(path) in str(exc.value)
+    r = calib("export", "--profile", str(path), "--hot-out", str(tmp_path / "h.json"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and field in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_wrong_device_kind_is_one_line():
+    r = calib("profile", "--device", "orin", "--out", "/tmp/never.json")
+    assert r.returncode == 2 and "use --device auto" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def calib_model(tiny_model_dirs, tmp_path_factory):
+    _, folder, _ = tiny_model_dirs["olmoe"]
+    dst = tmp_path_factory.mktemp("calib") / "tiny"
+    shutil.copytree(folder, dst)
+    return str(dst)
+
+
+WORKLOAD = os.path.join(ROOT, "tests", "data", "prompts.jsonl")
+
+
+def test_interrupted_profile_leaves_existing_profile_untouched(calib_model, tmp_path, monkeypatch):
+    from s2moe.calib import measure, profile_cmd
+
+    target = tmp_path / "device.json"
+    target.write_text("{\"previous\": \"profile\"}\n")
+    before = target.read_bytes()
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(measure, "routing_traces", boom)
+    with pytest.raises(KeyboardInterrupt):
+        profile_cmd.run_profile(calib_model, "cpu", None, WORKLOAD, str(target), None, 12, None, 0.0, 1, 4)
+    assert target.read_bytes() == before
+    kept = json.loads((tmp_path / "device.samples.json").read_text())
+    assert len(kept["verification"]) == 12 and "offload" in kept  # samples gathered so far survive
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+
+
+def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
+    out = tmp_path / "tiny.json"
+    r = calib("profile", "--device", "cpu", "-m", calib_model, "-w", WORKLOAD, "--out", str(out),
+              "--samples", "30", "--decode-tokens", "6", "--budget", "0.5")
+    assert r.returncode == 0, r.stderr
+    prof = load_profile(str(out))
+    assert prof.data["source"] == "measured" and prof.data["budget"]["spec"] == "0.5"
+    assert os.path.exists(tmp_path / "tiny.samples.json")
+    r = calib("validate", "--profile", str(out), "-m", calib_model, "-w", WORKLOAD, "--n-prompts", "4",
+              "--max-tokens", "12", "--json", "--min-r2", "-1000", "--max-mape", "1000")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert {"r2", "mape_percent", "n"} <= set(res) and res["n"] >= 3
+    strict = calib("validate", "--profile", str(out), "-m", calib_model, "-w", WORKLOAD, "--n-prompts", "2",
+                   "--max-tokens", "8", "--min-r2", "1.01")
+    assert strict.returncode == 1
+    refit = calib("fit", str(tmp_path / "tiny.samples.json"), "--json")
+    assert refit.returncode == 0 and "t_exp_miss_ms" in json.loads(refit.stdout)
+    run = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "run", "-m", calib_model, "-p", "def f",
+                          "-n", "6", "--profile", str(out), "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    stats = json.loads(run.stdout)["stats"]
+    assert stats["cost_constants"]["source"].startswith("profile") and "estimated" not in run.stderr
+    assert stats["offload"]["budget"] == "50% of expert bytes"
+
+
+def test_emulated_tier_is_recovered(calib_model):
+    """Under a known emulated link the bandwidth stage recovers bandwidth and latency within 10 %."""
+    from s2moe.calib.measure import offload_bandwidth
+    from s2moe.runtime.loader import load_model
+    from s2moe.runtime.store import Emulation, ExpertStore
+
+    loaded = load_model(calib_model)
+    store = ExpertStore(loaded, emulation=Emulation(400.0, 300.0), threads=1)
+    bw = offload_bandwidth(store, loaded, reps=4)
+    assert bw["bandwidth_mb_s"] == pytest.approx(400.0, rel=0.1)
+    assert bw["latency_us"] == pytest.approx(300.0, rel=0.1)
