@@ -149,6 +149,8 @@ class MoEModel:
         allowed = np.ones((T, S), dtype=bool)
         if tree_mask is None:
             allowed[:, start:] = np.tril(np.ones((T, T), dtype=bool))
+        elif tree_mask.shape[1] == S:  # a full [T, S] mask (evaluation: draft beside target KV)
+            allowed = np.array(tree_mask, dtype=bool)
         else:
             allowed[:, start:] = tree_mask
         window = self.config.sliding_window
@@ -173,7 +175,8 @@ class MoEModel:
 
         For a chain, slot = position and attention is causal. For a token tree, ``positions``
         gives each token's RoPE position and ``tree_mask`` [T, T] which new tokens each may see
-        (itself and its ancestors); every token sees all slots before ``start``.
+        (itself and its ancestors); every token sees all slots before ``start``. A [T, start + T]
+        ``tree_mask`` instead says exactly which slots each token sees.
         Returns logits [T, V] (or [1, V] with ``logits="last"``) and the routing record.
         """
         c, W = self.config, self.loaded.dense
