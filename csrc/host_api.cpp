@@ -1,0 +1,32 @@
+// Host build of the kernel math for tests (g++ -O2 -shared -fPIC): the same functions the CUDA
+// kernels run, called over host arrays, so CI without a GPU checks them against NumPy.
+#include <vector>
+
+#include "routing.cuh"
+
+extern "C" {
+
+void s2_host_route(const float* logits, const float* bias, int B, int E, int k, int kind, int renorm, int* ids,
+                   float* weights) {
+    for (int b = 0; b < B; ++b)
+        s2_route_row(logits + (long)b * E, bias ? bias + (long)b * E : nullptr, E, k, kind, renorm,
+                     ids + (long)b * k, weights + (long)b * k);
+}
+
+// Returns the size of E* (0 = no-op) and fills ids/weights as the fused kernel would.
+int s2_host_reuse_gating(const float* logits, const float* confidence, int B, int E, int k, int cap, int variant,
+                         float strength, int kind, int renorm, int* ids, float* weights) {
+    std::vector<double> w(B);
+    std::vector<double> g(E);
+    std::vector<float> lambda(B), bias(E);
+    std::vector<int> preferred(E);
+    int n_pref = s2_rg_plan(logits, confidence, B, E, k, cap, variant, strength, w.data(), g.data(),
+                            preferred.data(), lambda.data());
+    for (int b = 0; b < B; ++b) {
+        if (n_pref > 0) s2_rg_bias_row(preferred.data(), n_pref, lambda[b], E, bias.data());
+        s2_route_row(logits + (long)b * E, n_pref > 0 ? bias.data() : nullptr, E, k, kind, renorm,
+                     ids + (long)b * k, weights + (long)b * k);
+    }
+    return n_pref;
+}
+}
