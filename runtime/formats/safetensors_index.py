@@ -30,7 +30,7 @@ def read_header(path: str) -> dict[str, TensorRef]:
             )
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ModelFormatError(f"{path}: safetensors header is not valid JSON ({exc.__class__.__name__})") from None
     if not isinstance(header, dict):
         raise ModelFormatError(f"{path}: safetensors header is not a JSON object")
@@ -42,10 +42,15 @@ def read_header(path: str) -> dict[str, TensorRef]:
             continue
         try:
             dtype = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*shape, begin, end)):
+                raise TypeError
         except (TypeError, KeyError, ValueError):
-            raise ModelFormatError(f"{path}: tensor {name}: malformed header entry") from None
+            raise ModelFormatError(f"{path}: tensor {name}: malformed header entry (needs dtype, integer shape "
+                                   "and data_offsets)") from None
+        if not isinstance(dtype, str):
+            raise ModelFormatError(f"{path}: tensor {name}: dtype must be a string")
         if dtype not in PLAIN_DTYPES:
             raise ModelFormatError(f"{path}: tensor {name}: unsupported dtype {dtype}")
         if any(d < 0 for d in shape):
