@@ -55,6 +55,23 @@ def _progress():
         yield p
 
 
+def _resumable(samples_path: str, fresh: dict) -> dict:
+    """Samples of an interrupted run, if they were taken under the same conditions."""
+    import json
+
+    try:
+        with open(samples_path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        raise UsageError(f"{samples_path}: nothing to resume (no readable samples file); run without --resume") from None
+    same = all(old.get(k) == v for k, v in fresh.items())
+    if not same:
+        raise UsageError(f"{samples_path}: samples were taken for another model, device, budget or slow tier; "
+                         "run without --resume")
+    err.print(f"resuming from {samples_path}: {', '.join(k for k in old if k not in fresh)} already measured")
+    return old
+
+
 def fit_cost_model(samples: list[dict]) -> tuple[VerificationCostModel, float, float]:
     X = np.array([[s[f] for f in FEATURES] for s in samples], dtype=np.float64)
     y = np.array([s["seconds"] for s in samples])
@@ -64,7 +81,7 @@ def fit_cost_model(samples: list[dict]) -> tuple[VerificationCostModel, float, f
 
 def run_profile(model_path: str, device: str, budget: str | None, workload: str | None, out: str,
                 draft_topk: int | None, samples_n: int, emulate_bandwidth: float | None, emulate_latency: float,
-                fetch_threads: int, decode_tokens: int, policy: str = "lfu") -> dict:
+                fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False) -> dict:
     from s2moe.runtime.cache import ExpertCache
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.loader import load_model
@@ -81,7 +98,10 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     draft_cap = 8
     emulation = Emulation(emulate_bandwidth, emulate_latency)
     samples_path = os.path.splitext(out)[0] + ".samples.json"
-    gathered: dict = {"model": loaded.path, "device": kind, "budget": budget or "1.0"}
+    gathered: dict = {"model": loaded.path, "device": kind, "budget": budget or "1.0",
+                      "emulation": [emulate_bandwidth, emulate_latency], "fetch_threads": fetch_threads}
+    if resume:
+        gathered = _resumable(samples_path, gathered)
 
     def keep(stage: str, value) -> None:  # samples survive an interrupted run
         gathered[stage] = value
@@ -92,7 +112,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         store = ExpertStore(loaded, direct=True, emulation=emulation, threads=fetch_threads)
         reps = 6
         t = progress.add_task("offload bandwidth", total=reps * 5)
-        bw = measure.offload_bandwidth(store, loaded, reps, lambda: progress.advance(t))
+        bw = gathered.get("offload") or measure.offload_bandwidth(store, loaded, reps, lambda: progress.advance(t))
         progress.update(t, completed=reps * 5)
         keep("offload", bw)
 
@@ -100,8 +120,9 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         cache = ExpertCache(store, capacity_bytes=None)
         model = MoEModel(loaded, cache)
         t = progress.add_task("verification passes (T_exp)", total=samples_n)
-        ver = measure.verification_samples(model, cache, profiling, draft_cap + 1, samples_n,
-                                           lambda: progress.advance(t))
+        ver = gathered.get("verification") or measure.verification_samples(
+            model, cache, profiling, draft_cap + 1, samples_n, lambda: progress.advance(t))
+        progress.update(t, completed=samples_n)
         keep("verification", ver)
         cost_model, fit_r2, fit_mape = fit_cost_model(ver)
 
@@ -109,9 +130,12 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         plan = plan_memory(loaded, Budget.parse(budget), 4096)
         t = progress.add_task("routing traces (hot experts)", total=len(profiling) + len(heldout))
         tick = lambda: progress.advance(t)  # noqa: E731
-        traces = (measure.routing_traces(model, profiling, tick), measure.routing_traces(model, heldout, tick))
-        sizes = {k: e.resident_bytes for k, e in loaded.experts.items()}
-        residency = hot_mod.plan_residency(*traces, sizes, plan.expert_capacity)
+        residency = gathered.get("hot_experts")
+        if residency is None:
+            traces = (measure.routing_traces(model, profiling, tick), measure.routing_traces(model, heldout, tick))
+            sizes = {k: e.resident_bytes for k, e in loaded.experts.items()}
+            residency = hot_mod.plan_residency(*traces, sizes, plan.expert_capacity)
+        progress.update(t, completed=len(profiling) + len(heldout))
         keep("hot_experts", residency)
         store.close()
 
@@ -120,15 +144,16 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         prompts = heldout[:6]
         t = progress.add_task("decode steps (T_AR, C_draft)", total=2 * len(prompts))
         tick = lambda: progress.advance(t)  # noqa: E731
-        engine = build_engine(loaded.path, budget, 4096, pinned, policy, emulate_bandwidth, emulate_latency,
-                              loaded=loaded)
-        t_ar = measure.decode_step_times(engine.model, prompts, decode_tokens, TARGET, tick)
-        engine.close()
-        engine = build_engine(loaded.path, budget, 4096, pinned, policy, emulate_bandwidth, emulate_latency,
-                              loaded=loaded)
-        c_draft = measure.decode_step_times(engine.model, prompts, decode_tokens, RoutingPolicy(top_k=draft_k), tick)
-        engine.close()
-        keep("decode_steps", {"t_ar": t_ar, "c_draft": c_draft})
+        steps = gathered.get("decode_steps") or {}
+        for name, policy_for in (("t_ar", TARGET), ("c_draft", RoutingPolicy(top_k=draft_k))):
+            if name not in steps:
+                engine = build_engine(loaded.path, budget, 4096, pinned, policy, emulate_bandwidth, emulate_latency,
+                                      loaded=loaded)
+                steps[name] = measure.decode_step_times(engine.model, prompts, decode_tokens, policy_for, tick)
+                engine.close()
+                keep("decode_steps", steps)
+        progress.update(t, completed=2 * len(prompts))
+        t_ar, c_draft = steps["t_ar"], steps["c_draft"]
 
     ar, dr = measure.summarize(t_ar), measure.summarize(c_draft)
     const = cost_model.constants(ar["median"], dr["median"], "profile")
@@ -205,6 +230,7 @@ def profile(
     fetch_threads: int = typer.Option(4, "--fetch-threads", min=1, help="Concurrent expert reads (as the runtime does)."),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated request latency µs."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its samples file."),
     json_out: bool = typer.Option(False, "--json", help="Print the profile JSON on stdout too."),
 ):
     """Measure T_exp, T_AR, C_draft, expert bytes, bandwidth and hot experts; write a profile."""
@@ -213,8 +239,14 @@ def profile(
         path = resolve_model(model)
         name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
         target = out or os.path.join("profiles", f"{device}-{name}.json")
-        data = run_profile(path, device, budget, workload, target, draft_topk, samples, emulate_bandwidth,
-                           emulate_latency, fetch_threads, decode_tokens)
+        try:
+            data = run_profile(path, device, budget, workload, target, draft_topk, samples, emulate_bandwidth,
+                               emulate_latency, fetch_threads, decode_tokens, resume=resume)
+        except KeyboardInterrupt:
+            samples_path = os.path.splitext(target)[0] + ".samples.json"
+            err.print(f"interrupted: {target} is unchanged; samples so far are in {samples_path}; "
+                      "continue with --resume")
+            raise
         save_profile(target, data)
         err.print(summary_table(data))
         err.print(f"wrote {target} (samples beside it); next: s2moe-calib validate --profile {target}")

@@ -84,7 +84,7 @@ class MemoryPlan:
 def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int) -> MemoryPlan:
     c = model.config
     dense = model.dense_bytes
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_positions * 4
+    kv = c.kv_floats_per_position * kv_positions * 4
     largest = max(e.resident_bytes for e in model.experts.values())
     # Staging for one token's experts of one layer: what streams through when the cache is full.
     work = c.top_k * largest

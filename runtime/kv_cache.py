@@ -4,6 +4,10 @@ Two integers describe it: ``length`` (committed: target-computed, accepted posit
 ``filled`` (positions holding valid data, committed or not). Draft passes write past ``length``;
 ``rollback(length)`` drops them by moving ``filled`` back, without touching memory. A pass may only
 start at or before ``filled`` (no gaps), so keys a query attends to are always valid.
+
+Keys and values may differ in width: multi-head latent attention (DeepSeek) caches one "head"
+whose key is the compressed latent c_kv and whose value is the shared RoPE key k_pe
+(`ModelConfig.kv_shape`), from which every head's keys and values are re-derived.
 """
 
 from __future__ import annotations
@@ -14,19 +18,22 @@ from .errors import KVCacheError
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=np.float32,
+                 value_dim: int | None = None):
         if capacity <= 0:
             raise KVCacheError(f"KV cache capacity must be positive (got {capacity})")
         self.capacity = capacity
+        value_dim = head_dim if value_dim is None else value_dim
         # [kv_heads, positions, head_dim] per layer: one head's keys are contiguous for attention.
         self.keys = [np.zeros((num_kv_heads, capacity, head_dim), dtype) for _ in range(num_layers)]
-        self.values = [np.zeros((num_kv_heads, capacity, head_dim), dtype) for _ in range(num_layers)]
+        self.values = [np.zeros((num_kv_heads, capacity, value_dim), dtype) for _ in range(num_layers)]
         self.length = 0
         self.filled = 0
 
     @classmethod
     def for_config(cls, config, capacity: int) -> "KVCache":
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, capacity)
+        heads, key_dim, value_dim = config.kv_shape
+        return cls(config.num_layers, heads, key_dim, capacity, value_dim=value_dim)
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +53,7 @@ class KVCache:
         self.length = min(self.length, start)
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        """k, v: [kv_heads, count, head_dim]."""
+        """k, v: [kv_heads, count, key / value width]."""
         end = start + k.shape[1]
         self.keys[layer][:, start:end] = k
         self.values[layer][:, start:end] = v

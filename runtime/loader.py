@@ -1,8 +1,9 @@
 """Load a MoE checkpoint: dense weights into memory, experts as byte ranges (`ExpertRefs`).
 
-Accepts a Hugging Face folder (config.json + *.safetensors, per-expert or fused 3-D experts) or a
-single GGUF file (merged `*_exps` or split `ffn_*.NNN` experts). Every tensor is checked against the
-shape the config implies before anything is computed, so a bad file fails with one line naming it.
+Accepts a Hugging Face folder (config.json + *.safetensors, per-expert or fused 3-D experts, GPT-OSS's
+interleaved and MXFP4 experts) or a single GGUF file (merged `*_exps` or split `ffn_*.NNN` experts).
+Every tensor is checked against the shape the config implies before anything is computed, so a bad
+file fails with one line naming it.
 """
 
 from __future__ import annotations
@@ -17,26 +18,42 @@ import numpy as np
 
 from .config import ConfigReader, ModelConfig
 from .errors import ModelFormatError, UnsupportedModelError
+from .experts import ExpertWeights, assemble, resident_elements
 from .formats import tensors as T
 from .formats.tensors import TensorRef
 from .models import BY_GGUF_ARCH, BY_HF_TYPE, names_for
 
 PROJECTIONS = ("gate", "up", "down")
+BIASES = ("gate_bias", "up_bias", "down_bias")
 
 
 @dataclass(frozen=True)
 class ExpertRefs:
-    """Where one (layer, expert)'s three projections live on disk."""
+    """Where one (layer, expert)'s weights live on disk: named byte ranges (roles) and the layout
+    that `experts.assemble` turns them into compute weights with, after decoding."""
 
     layer: int
     expert: int
-    gate: TensorRef  # [I, H]
-    up: TensorRef  # [I, H]
-    down: TensorRef  # [H, I]
+    parts: tuple[tuple[str, TensorRef], ...]
+    layout: str = "split"
+
+    @classmethod
+    def split(cls, layer: int, expert: int, gate: TensorRef, up: TensorRef, down: TensorRef,
+              biases: tuple[TensorRef, ...] = ()) -> "ExpertRefs":
+        return cls(layer, expert, tuple(zip(PROJECTIONS + BIASES, (gate, up, down) + tuple(biases))))
 
     @property
-    def refs(self) -> tuple[TensorRef, TensorRef, TensorRef]:
-        return (self.gate, self.up, self.down)
+    def refs(self) -> tuple[TensorRef, ...]:
+        return tuple(ref for _, ref in self.parts)
+
+    @property
+    def gate(self) -> TensorRef:
+        """The part holding the gate weights (alone or with up): what reports name and time."""
+        return self.parts[0][1]
+
+    @property
+    def storage_type(self) -> str:
+        return "MXFP4" if any(role.endswith("_blocks") for role, _ in self.parts) else self.gate.dtype
 
     @property
     def stored_bytes(self) -> int:
@@ -44,8 +61,12 @@ class ExpertRefs:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes once dequantised to the float32 compute format."""
-        return sum(r.n_elements for r in self.refs) * 4
+        """Bytes once dequantised to the float32 compute format (what `ExpertWeights.nbytes` counts)."""
+        return sum(resident_elements(role, r.n_elements) for role, r in self.parts) * 4
+
+    def assemble(self, arrays: list) -> ExpertWeights:
+        """Decoded parts, in `refs` order → compute weights."""
+        return assemble(self.layout, {role: a for (role, _), a in zip(self.parts, arrays)})
 
 
 @dataclass
@@ -137,7 +158,7 @@ def _load_hf(folder: str) -> LoadedModel:
     refs = index_folder(folder)
     res = _Resolver(refs, names_for(arch, "hf"), folder)
     dense = _load_dense(config, res, T.load)
-    experts, layout = _expert_refs(config, res, fused=("experts.gate_up", "experts.down"))
+    experts, layout = _expert_refs(config, res, "hf", getattr(arch, "HF_EXPERTS", "split"))
     tok = os.path.join(folder, "tokenizer.json")
     return LoadedModel(config, dense, experts, folder, "safetensors", layout, tok if os.path.exists(tok) else None)
 
@@ -167,7 +188,7 @@ def _load_gguf(path: str) -> LoadedModel:
     if getattr(arch, "GGUF_QK_PERMUTED", False):
         load = _unpermuting_loader(config)
     dense = _load_dense(config, res, load, tied_if_missing=True)
-    experts, layout = _expert_refs(config, res, fused=("experts.gate", "experts.up", "experts.down"))
+    experts, layout = _expert_refs(config, res, "gguf")
     return LoadedModel(config, dense, experts, path, "gguf", layout, None, gguf=index)
 
 
@@ -186,67 +207,139 @@ def _unpermuting_loader(config: ModelConfig) -> Callable[[TensorRef], np.ndarray
     return load
 
 
+def _layer_shapes(c: ModelConfig, L: int) -> dict[str, tuple[int, ...]]:
+    """Canonical name → shape of every dense tensor of layer ``L`` the config implies."""
+    H, D, nh = c.hidden_size, c.head_dim, c.num_heads
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm": (H,), "ffn_norm": (H,)}
+    if c.attention == "mla":
+        r, dr, dv = c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim
+        if c.q_lora_rank:
+            shapes.update(q_a=(c.q_lora_rank, H), q_a_norm=(c.q_lora_rank,), q_b=(nh * D, c.q_lora_rank))
+        else:
+            shapes["q"] = (nh * D, H)
+        shapes.update(kv_a=(r + dr, H), kv_a_norm=(r,), kv_b=(nh * (D - dr + dv), r), o=(H, nh * dv))
+        if c.attention_bias:  # DeepSeek: on the down-projections and the output, not on q_b / kv_b
+            shapes.update(kv_a_bias=(r + dr,), o_bias=(H,))
+            if c.q_lora_rank:
+                shapes["q_a_bias"] = (c.q_lora_rank,)
+    else:
+        q_out, kv_out = nh * D, c.num_kv_heads * D
+        shapes.update(q=(q_out, H), k=(kv_out, H), v=(kv_out, H), o=(H, q_out))
+        norm_width = {"full": (q_out, kv_out), "per_head": (D, D)}.get(c.qk_norm)
+        if norm_width:
+            shapes["q_norm"], shapes["k_norm"] = (norm_width[0],), (norm_width[1],)
+        if c.attention_bias:
+            shapes.update(q_bias=(q_out,), k_bias=(kv_out,), v_bias=(kv_out,))
+        if c.attention_out_bias:
+            shapes["o_bias"] = (H,)
+        if c.attention_sinks:
+            shapes["sinks"] = (nh,)
+    if c.moe_layers[L]:
+        shapes["router"] = (c.num_experts, H)
+        if c.router_bias:
+            shapes["router_bias"] = (c.num_experts,)
+        if c.router_score_bias:
+            shapes["router_score_bias"] = (c.num_experts,)
+        S = c.shared_expert_intermediate_size
+        if S:  # shared experts are dense: resident with the attention weights, never in the cache
+            shapes.update(shared_gate=(S, H), shared_up=(S, H), shared_down=(H, S))
+    else:
+        I = c.dense_intermediate_size
+        shapes.update(mlp_gate=(I, H), mlp_up=(I, H), mlp_down=(H, I))
+    return shapes
+
+
 def _load_dense(
     config: ModelConfig, res: _Resolver, load: Callable[[TensorRef], np.ndarray], tied_if_missing: bool = False
 ) -> dict[str, np.ndarray]:
     c = config
-    H, D, V = c.hidden_size, c.head_dim, c.vocab_size
-    q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
+    H, V = c.hidden_size, c.vocab_size
     dense = {"embed": load(res.need("embed", (V, H))), "norm": load(res.need("norm", (H,)))}
     # Tied models omit the head: HF says so in the config, GGUF simply leaves out `output.weight`.
     if c.tie_word_embeddings or (tied_if_missing and res.find("lm_head") is None):
         dense["lm_head"] = dense["embed"]
     else:
         dense["lm_head"] = load(res.need("lm_head", (V, H)))
-    norm_width = {"full": (q_out, kv_out), "per_head": (D, D)}.get(c.qk_norm)
     for L in range(c.num_layers):
-        shapes = {
-            "attn_norm": (H,), "ffn_norm": (H,),
-            "q": (q_out, H), "k": (kv_out, H), "v": (kv_out, H), "o": (H, q_out),
-        }
-        if norm_width:
-            shapes["q_norm"], shapes["k_norm"] = (norm_width[0],), (norm_width[1],)
-        if c.moe_layers[L]:
-            shapes["router"] = (c.num_experts, H)
-        else:
-            I = c.dense_intermediate_size
-            shapes.update(mlp_gate=(I, H), mlp_up=(I, H), mlp_down=(H, I))
-        for name, shape in shapes.items():
+        for name, shape in _layer_shapes(c, L).items():
+            if name == "kv_b" and res.find("kv_b", L=L) is None and res.find("k_b", L=L) is not None:
+                dense[f"layers.{L}.kv_b"] = _kv_b_from_split(c, res, load, L)
+                continue
             dense[f"layers.{L}.{name}"] = load(res.need(name, shape, L=L))
-        if c.attention_bias:
-            for name, width in (("q_bias", q_out), ("k_bias", kv_out), ("v_bias", kv_out)):
-                dense[f"layers.{L}.{name}"] = load(res.need(name, (width,), L=L))
     return dense
 
 
-def _expert_refs(config: ModelConfig, res: _Resolver, fused: tuple[str, ...]) -> tuple[dict, str]:
+def _kv_b_from_split(c: ModelConfig, res: _Resolver, load, L: int) -> np.ndarray:
+    """Newer llama.cpp GGUFs may carry MLA's kv_b only as attn_k_b [heads, r, nope] (transposed)
+    and attn_v_b [heads, dv, r]; rebuild kv_b [heads · (nope + dv), r]."""
+    nh, r, dv = c.num_heads, c.kv_lora_rank, c.v_head_dim
+    dn = c.head_dim - c.qk_rope_head_dim
+    k_b = load(res.need("k_b", (nh, r, dn), L=L))
+    v_b = load(res.need("v_b", (nh, dv, r), L=L))
+    return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(nh * (dn + dv), r))
+
+
+def _expert_refs(config: ModelConfig, res: _Resolver, fmt: str, hf_layout: str = "split") -> tuple[dict, str]:
     c = config
     E, I, H = c.num_experts, c.expert_intermediate_size, c.hidden_size
     experts: dict[tuple[int, int], ExpertRefs] = {}
     layouts = set()
+
+    def merged_biases(L: int) -> list[TensorRef]:
+        if not c.expert_bias:
+            return []
+        shapes = {"experts.gate_bias": (E, I), "experts.up_bias": (E, I), "experts.down_bias": (E, H)}
+        return [res.need(name, shape, L=L) for name, shape in shapes.items()]
+
     for L in c.moe_layer_ids:
-        merged = [res.find(name, L=L) for name in fused]
-        if all(merged):
-            if len(fused) == 2:  # HF fused: gate_up [E, 2I, H], down [E, H, I]
-                gate_up = res.check(merged[0], (E, 2 * I, H))
-                down = res.check(merged[1], (E, H, I))
-                for e in range(E):
-                    gu = gate_up.slice_leading(e)
-                    experts[L, e] = ExpertRefs(L, e, gu.split_rows(2, 0), gu.split_rows(2, 1), down.slice_leading(e))
-                layouts.add("fused")
-            else:  # GGUF merged: gate/up [E, I, H], down [E, H, I]
-                gate, up = res.check(merged[0], (E, I, H)), res.check(merged[1], (E, I, H))
-                down = res.check(merged[2], (E, H, I))
-                for e in range(E):
-                    experts[L, e] = ExpertRefs(L, e, gate.slice_leading(e), up.slice_leading(e), down.slice_leading(e))
-                layouts.add("merged")
+        if hf_layout == "interleaved":  # GPT-OSS: always fused, gate/up interleaved, MXFP4 or plain
+            bias = [res.need("experts.gate_up_bias", (E, 2 * I), L=L), res.need("experts.down_bias", (E, H), L=L)]
+            if res.find("experts.gate_up_blocks", L=L) is not None:
+                if H % 32 or I % 32:
+                    raise ModelFormatError(f"{res.source}: MXFP4 experts need hidden and expert widths divisible by 32")
+                parts = {"gate_up_blocks": (E, 2 * I, H // 32, 16), "gate_up_scales": (E, 2 * I, H // 32),
+                         "down_blocks": (E, H, I // 32, 16), "down_scales": (E, H, I // 32)}
+                layout = "interleaved_mxfp4"
+            else:
+                parts = {"gate_up": (E, H, 2 * I), "down": (E, I, H)}
+                layout = "interleaved"
+            refs = {role: res.need("experts." + role, shape, L=L) for role, shape in parts.items()}
+            refs.update(gate_up_bias=bias[0], down_bias=bias[1])
+            for e in range(E):
+                experts[L, e] = ExpertRefs(L, e, tuple((role, ref.slice_leading(e)) for role, ref in refs.items()),
+                                           layout)
+            layouts.add(layout.replace("_", "-"))
+            continue
+        if fmt == "hf" and all(res.find(n, L=L) for n in ("experts.gate_up", "experts.down")):
+            # HF fused: gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]
+            gate_up = res.check(res.find("experts.gate_up", L=L), (E, 2 * I, H))
+            down = res.check(res.find("experts.down", L=L), (E, H, I))
+            for e in range(E):
+                gu = gate_up.slice_leading(e)
+                experts[L, e] = ExpertRefs.split(L, e, gu.split_rows(2, 0), gu.split_rows(2, 1), down.slice_leading(e))
+            layouts.add("fused")
+            continue
+        merged = [res.find(f"experts.{p}", L=L) for p in PROJECTIONS]
+        if fmt == "gguf" and all(merged):  # GGUF merged: gate/up [E, I, H], down [E, H, I]
+            gate, up = res.check(merged[0], (E, I, H)), res.check(merged[1], (E, I, H))
+            down = res.check(merged[2], (E, H, I))
+            biases = merged_biases(L)
+            for e in range(E):
+                experts[L, e] = ExpertRefs.split(L, e, gate.slice_leading(e), up.slice_leading(e),
+                                                 down.slice_leading(e), tuple(b.slice_leading(e) for b in biases))
+            layouts.add("merged")
             continue
         for e in range(E):
-            experts[L, e] = ExpertRefs(
+            biases = ()
+            if c.expert_bias:
+                biases = tuple(res.need(f"expert.{name}", shape, L=L, E=e) for name, shape in
+                               (("gate_bias", (I,)), ("up_bias", (I,)), ("down_bias", (H,))))
+            experts[L, e] = ExpertRefs.split(
                 L, e,
                 res.need("expert.gate", (I, H), L=L, E=e),
                 res.need("expert.up", (I, H), L=L, E=e),
                 res.need("expert.down", (H, I), L=L, E=e),
+                biases,
             )
-        layouts.add("split" if len(fused) == 3 else "per-expert")
+        layouts.add("split" if fmt == "gguf" else "per-expert")
     return experts, "+".join(sorted(layouts)) or "none"

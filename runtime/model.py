@@ -2,7 +2,8 @@
 
 One batched call serves prefill, single-token decode and multi-token verification: tokens [T] at
 positions [start, start + T) attend to every cached position before them. Architecture details
-(q/k norm kind, router kind, clip) come from `ModelConfig`; expert weights come from a provider.
+(attention kind, q/k norm, RoPE, router, expert activation, shared experts) come from
+`ModelConfig`; expert weights come from a provider.
 """
 
 from __future__ import annotations
@@ -13,20 +14,34 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from . import rope
+from .attention import ATTENTION, rms_norm
 from .config import ModelConfig
-from .experts import ExpertProvider
+from .experts import ExpertProvider, ExpertWeights
 from .kv_cache import KVCache
 from .loader import LoadedModel
-from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, route, softmax
+from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, route, sigmoid
 
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(x * x, axis=-1, keepdims=True)
-    return x / np.sqrt(var + eps) * weight
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def _biased(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    return y if bias is None else y + bias
+
+
+def expert_ffn(c: ModelConfig, w: ExpertWeights, h: np.ndarray) -> np.ndarray:
+    """One expert on its tokens: SwiGLU, or GPT-OSS's clamped variant; biases where present."""
+    gate, up = _biased(h @ w.gate.T, w.gate_bias), _biased(h @ w.up.T, w.up_bias)
+    if c.expert_act == "swiglu_clamped":
+        gate = np.minimum(gate, c.swiglu_limit)
+        up = np.clip(up, -c.swiglu_limit, c.swiglu_limit)
+        act = (up + 1.0) * gate * sigmoid(c.swiglu_alpha * gate)
+    else:
+        act = silu(gate) * up
+    return _biased(act @ w.down.T, w.down_bias)
 
 
 class TimeSplit:
@@ -58,8 +73,8 @@ class MoEModel:
 
             experts = ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None)
         self.experts = experts
-        c = self.config
-        self._inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim))
+        self._inv_freq, self._rope_factor = rope.inv_freq_and_factor(self.config)
+        self._attention_kind = ATTENTION[self.config.attention]
         self.split: TimeSplit | _NoSplit = _NoSplit()
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -67,60 +82,29 @@ class MoEModel:
 
     # -- pieces -------------------------------------------------------------------------------
     def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        freqs = np.outer(positions.astype(np.float64), self._inv_freq)  # [T, D/2]
-        emb = np.concatenate([freqs, freqs], axis=-1)
-        return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
-
-    @staticmethod
-    def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        # x: [heads, T, D]; HF's rotate-half convention.
-        half = x.shape[-1] // 2
-        rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        return x * cos + rotated * sin
+        return rope.tables(self._inv_freq, self._rope_factor, positions)
 
     def _attention(self, L: int, x: np.ndarray, start: int, kv: KVCache, cos, sin, allowed) -> np.ndarray:
-        c, W = self.config, self.loaded.dense
-        T = x.shape[0]
-        nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        p = f"layers.{L}."
-        q, k, v = x @ W[p + "q"].T, x @ W[p + "k"].T, x @ W[p + "v"].T
-        if c.attention_bias:
-            q, k, v = q + W[p + "q_bias"], k + W[p + "k_bias"], v + W[p + "v_bias"]
-        if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
-            q = rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
-            k = rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
-        if c.clip_qkv is not None:
-            q, k, v = (np.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
-        q = q.reshape(T, nh, D).transpose(1, 0, 2)  # [nh, T, D]
-        k = k.reshape(T, nkv, D).transpose(1, 0, 2)
-        v = v.reshape(T, nkv, D).transpose(1, 0, 2)
-        if c.qk_norm == "per_head":  # Qwen3: per head, after the split
-            q = rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
-            k = rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
-        q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
-        kv.write(L, start, k, v)
-        keys, values = kv.view(L, start + T)  # [nkv, S, D]
-        S = start + T
-        group = nh // nkv
-        qg = q.reshape(nkv, group * T, D)  # heads sharing a kv head stacked on the query axis
-        scores = (qg @ keys.transpose(0, 2, 1)) * (1.0 / np.sqrt(D))  # [nkv, group*T, S]
-        scores = scores.reshape(nkv, group, T, S)
-        scores = np.where(allowed, scores, -np.inf)
-        probs = softmax(scores).reshape(nkv, group * T, S)
-        out = (probs @ values).reshape(nkv, group, T, D).reshape(nh, T, D)
-        return out.transpose(1, 0, 2).reshape(T, nh * D) @ W[p + "o"].T
+        return self._attention_kind(self.config, self.loaded.dense, L, x, start, kv, (cos, sin), allowed)
 
     def _moe(self, L: int, x: np.ndarray, policy: RoutingPolicy, record: RoutingRecord | None) -> np.ndarray:
         c, W = self.config, self.loaded.dense
+        p = f"layers.{L}."
         with self.split.part("router"):
-            logits = x @ W[f"layers.{L}.router"].T  # [T, E]
+            logits = _biased(x @ W[p + "router"].T, W.get(p + "router_bias"))  # [T, E]
             k = policy.k_for(L, c.top_k)
             bias = policy.selection_bias(L, logits) if policy.selection_bias else None
-            experts, weights = route(logits, k, c.router, c.norm_topk_prob, bias)
+            groups = (c.expert_groups, c.expert_groups_used) if c.expert_groups else None
+            experts, weights = route(logits, k, c.router, c.norm_topk_prob, bias, scale=c.routed_scaling_factor,
+                                     groups=groups, score_bias=W.get(p + "router_score_bias"))
             if record is not None:
                 record.layers[L] = LayerRouting(logits, experts, weights)
         with self.split.part("experts"):
-            return self._experts(L, x, experts, weights)
+            out = self._experts(L, x, experts, weights)
+        if c.shared_expert_intermediate_size:  # dense, resident: not through the expert cache
+            with self.split.part("shared_experts"):
+                out += self._dense_mlp(L, x, "shared_")
+        return out
 
     def _experts(self, L: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Tokens grouped by expert; each expert's weights fetched once for the whole pass."""
@@ -133,17 +117,16 @@ class MoEModel:
         out = np.zeros_like(x)
         for w, i in zip(self.experts.get(L, [int(e) for e in ids]), range(len(ids))):
             rows = token_of[bounds[i]:bounds[i + 1]]
-            h = x[rows]
-            act = silu(h @ w.gate.T) * (h @ w.up.T)
-            out[rows] += weight_of[bounds[i]:bounds[i + 1], None] * (act @ w.down.T)
+            out[rows] += weight_of[bounds[i]:bounds[i + 1], None] * expert_ffn(self.config, w, x[rows])
         return out
 
-    def _dense_mlp(self, L: int, x: np.ndarray) -> np.ndarray:
+    def _dense_mlp(self, L: int, x: np.ndarray, kind: str = "mlp_") -> np.ndarray:
         W = self.loaded.dense
-        p = f"layers.{L}."
-        return (silu(x @ W[p + "mlp_gate"].T) * (x @ W[p + "mlp_up"].T)) @ W[p + "mlp_down"].T
+        p = f"layers.{L}.{kind}"
+        return (silu(x @ W[p + "gate"].T) * (x @ W[p + "up"].T)) @ W[p + "down"].T
 
-    def _visibility(self, start: int, T: int, pos: np.ndarray, tree_mask: np.ndarray | None) -> np.ndarray:
+    def _visibility(self, start: int, T: int, pos: np.ndarray, tree_mask: np.ndarray | None,
+                    window: int | None) -> np.ndarray:
         """[T, start + T] bool: which cache slots each new token attends to."""
         S = start + T
         allowed = np.ones((T, S), dtype=bool)
@@ -153,7 +136,6 @@ class MoEModel:
             allowed = np.array(tree_mask, dtype=bool)
         else:
             allowed[:, start:] = tree_mask
-        window = self.config.sliding_window
         if window:  # slot positions before `start` equal their RoPE positions (committed chain)
             slot_pos = np.concatenate([np.arange(start), pos])
             allowed &= slot_pos[None, :] > pos[:, None] - window
@@ -188,7 +170,7 @@ class MoEModel:
             raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
         pos = np.arange(start, start + T) if positions is None else np.asarray(positions, dtype=np.int64)
         cos, sin = self._rope(pos)
-        allowed = self._visibility(start, T, pos, tree_mask)
+        masks = {w: self._visibility(start, T, pos, tree_mask, w) for w in {c.window_of(L) for L in range(c.num_layers)}}
         rec = RoutingRecord() if record else None
         begin, end = getattr(self.experts, "begin_pass", None), getattr(self.experts, "end_pass", None)
         if begin:
@@ -197,7 +179,7 @@ class MoEModel:
         for L in range(c.num_layers):
             with self.split.part("attention"):
                 h = h + self._attention(L, rms_norm(h, W[f"layers.{L}.attn_norm"], c.rms_norm_eps), start, kv, cos, sin,
-                                        allowed)
+                                        masks[c.window_of(L)])
             x = rms_norm(h, W[f"layers.{L}.ffn_norm"], c.rms_norm_eps)
             if c.moe_layers[L]:
                 h = h + self._moe(L, x, policy, rec)

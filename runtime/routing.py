@@ -75,22 +75,62 @@ def top_k_indices(scores: np.ndarray, k: int) -> np.ndarray:
     return chosen
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) → inf for very negative x gives the right 0
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def _group_mask(select_on: np.ndarray, groups: tuple[int, int], sum_top2: bool) -> np.ndarray:
+    """[T, E] bool: experts inside each token's best ``used`` of ``n`` groups. DeepSeek-V2 ranks a
+    group by its best expert, V3 by the sum of its best two (on the scores used for selection)."""
+    n, used = groups
+    T, E = select_on.shape
+    grouped = select_on.reshape(T, n, E // n)
+    if sum_top2:
+        score = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)
+    else:
+        score = grouped.max(-1)
+    keep = np.zeros((T, n), dtype=bool)
+    np.put_along_axis(keep, top_k_indices(score, used), True, axis=-1)
+    return np.repeat(keep, E // n, axis=-1)
+
+
 def route(
-    logits: np.ndarray, k: int, kind: str, norm_topk_prob: bool, bias: np.ndarray | None = None
+    logits: np.ndarray, k: int, kind: str, norm_topk_prob: bool, bias: np.ndarray | None = None, *,
+    scale: float = 1.0, groups: tuple[int, int] | None = None, score_bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Select k experts per token and their mixture weights.
 
     kind "softmax_topk": weights = softmax over all experts, restricted to the chosen (renormalised
-    if ``norm_topk_prob``). kind "topk_softmax": softmax over the chosen logits (Mixtral).
-    Softmax is monotone, so selecting on logits (+ bias) equals selecting on probabilities.
+    if ``norm_topk_prob``). kind "topk_softmax": softmax over the chosen logits (Mixtral, GPT-OSS).
+    kind "sigmoid_topk" (DeepSeek-V3): weights = sigmoid of the chosen logits (renormalised if
+    ``norm_topk_prob``); ``score_bias`` (e_score_correction_bias) is added to the sigmoid scores
+    for the choice only. ``groups`` = (n, used): choose only among each token's best ``used`` of
+    ``n`` expert groups. Weights are finally multiplied by ``scale`` (routed_scaling_factor).
+    ``bias`` (reuse-aware gating) is in logit units and also affects only the choice; for sigmoid
+    routing it shifts the logit before the sigmoid. Softmax and sigmoid are monotone, so selecting
+    on logits (+ bias) equals selecting on probabilities.
     """
+    logits = logits.astype(np.float32)
     select_on = logits if bias is None else logits + bias
+    if kind == "sigmoid_topk":
+        select_on = sigmoid(select_on)
+        if score_bias is not None:
+            select_on = select_on + score_bias
+    allowed = None
+    if groups is not None and groups[1] < groups[0]:
+        allowed = _group_mask(select_on, groups, sum_top2=kind == "sigmoid_topk")
+        select_on = np.where(allowed, select_on, -np.inf)
     experts = top_k_indices(select_on, k)
     if kind == "topk_softmax":
-        weights = softmax(np.take_along_axis(logits, experts, -1).astype(np.float32))
+        weights = softmax(np.take_along_axis(logits, experts, -1))
     else:
-        probs = softmax(logits.astype(np.float32))
-        weights = np.take_along_axis(probs, experts, -1)
+        scores = sigmoid(logits) if kind == "sigmoid_topk" else softmax(logits)
+        weights = np.take_along_axis(scores, experts, -1)
+        if allowed is not None:  # k beyond the allowed groups: transformers gives those weight 0
+            weights = np.where(np.take_along_axis(allowed, experts, -1), weights, 0.0)
         if norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdims=True)
+            weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if kind == "sigmoid_topk" else 0.0))
+    if scale != 1.0:
+        weights = weights * scale
     return experts, weights.astype(np.float32)

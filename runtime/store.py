@@ -100,6 +100,7 @@ class ExpertStore:
         self.want_direct = direct
         self.direct_files: dict[str, bool] = {}
         self._fds: dict[str, int] = {}
+        self._identity: dict[str, tuple[int, int]] = {}  # (size, mtime) when opened
         self._lock = threading.Lock()
         self._buffers = _AlignedBuffers()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="s2moe-fetch") if threads > 1 else None
@@ -126,6 +127,8 @@ class ExpertStore:
                 except OSError as exc:
                     raise ExpertReadError(f"{path}: cannot open for expert reads ({exc.strerror})") from None
             self.direct_files[path] = direct
+            st = os.fstat(fd)
+            self._identity[path] = (st.st_size, st.st_mtime_ns)
             self._fds[path] = fd
             return fd
 
@@ -153,15 +156,24 @@ class ExpertStore:
                                   "was the file truncated or replaced?")
         return memoryview(data)
 
+    def _check_unchanged(self, path: str, where: str) -> None:
+        """A file rewritten in place under us would silently change the weights: refuse instead."""
+        st = os.fstat(self._fds[path])
+        if (st.st_size, st.st_mtime_ns) != self._identity[path]:
+            raise ExpertReadError(f"{path}: the model file changed while running (size or mtime differs) while "
+                                  f"reading {where}; restart with the new file")
+
     def read(self, layer: int, expert: int) -> ExpertWeights:
         refs = self.refs[layer, expert]
         where = f"expert {expert} of layer {layer}"
         t0 = time.perf_counter()
         # decode copies out of the (reused) aligned buffer before the next range is read
         arrays = [decode(r, self._read_range(r, where)) for r in refs.refs]
+        for path in {r.path for r in refs.refs}:
+            self._check_unchanged(path, where)
         if self.emulation.active:  # the real read happened; now wait out the emulated link
             _wait_until(self.emulation.finish_time(t0, refs.stored_bytes))
-        return ExpertWeights(*arrays)
+        return refs.assemble(arrays)  # layout-specific: split, de-interleave, MXFP4
 
     def timed_read(self, path: str, offset: int, nbytes: int) -> float:
         """Seconds for one raw request through this tier (O_DIRECT and emulation as configured)."""

@@ -130,6 +130,12 @@ def test_interrupted_profile_leaves_existing_profile_untouched(calib_model, tmp_
     kept = json.loads((tmp_path / "device.samples.json").read_text())
     assert len(kept["verification"]) == 12 and "offload" in kept  # samples gathered so far survive
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+    # --resume continues: the measured stages are reused, not re-measured
+    monkeypatch.undo()
+    monkeypatch.setattr(measure, "verification_samples", boom)
+    data = profile_cmd.run_profile(calib_model, "cpu", None, WORKLOAD, str(target), None, 12, None, 0.0, 1, 4,
+                                   resume=True)
+    assert data["cost_model"]["fit"]["n"] == 12
 
 
 def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):

@@ -13,7 +13,8 @@ import typer
 
 from ..errors import S2MoEError
 
-# (exception type, exit code, hint naming the next command). First match wins.
+# (exception type, exit code, hint naming the next command). First match wins; an S2MoEError
+# carries its own exit code (2 bad input, 3 KV cache, 4 expert read).
 ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (S2MoEError, 2, ""),
     (FileNotFoundError, 2, "check the path"),
@@ -52,5 +53,5 @@ def cli_errors():
                 if isinstance(exc, OSError) and exc.filename and exc.strerror:
                     text = f"{exc.filename}: {exc.strerror}"
                 report(text + (f" ({hint})" if hint else ""))
-                raise typer.Exit(code) from None
+                raise typer.Exit(getattr(exc, "exit_code", code)) from None
         raise

@@ -15,7 +15,8 @@ import numpy as np
 from ..errors import ModelFormatError, UnsupportedModelError
 
 # Plain (unquantised) storage types and their numpy dtypes. BF16 has no numpy dtype: it is read
-# as uint16 and widened by a 16-bit shift.
+# as uint16 and widened by a 16-bit shift. U8 holds packed data (MXFP4 blocks and scales in
+# safetensors) and decodes to raw bytes for the expert assembler, not to float32.
 PLAIN_DTYPES = {
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
@@ -23,6 +24,7 @@ PLAIN_DTYPES = {
     "F64": np.dtype("<f8"),
     "I32": np.dtype("<i4"),
     "I64": np.dtype("<i8"),
+    "U8": np.dtype("u1"),
 }
 
 
@@ -74,9 +76,11 @@ class TensorRef:
 
 
 def decode(ref: TensorRef, raw: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
-    """Bytes of ``ref`` → float32 array of ``ref.shape`` (dequantising GGML blocks)."""
+    """Bytes of ``ref`` → float32 array of ``ref.shape`` (dequantising GGML blocks); U8 → a uint8 copy."""
     buf = np.frombuffer(raw, dtype=np.uint8, count=ref.nbytes)
-    if ref.dtype == "BF16":
+    if ref.dtype == "U8":  # a copy: the expert store reuses its read buffer
+        out = buf.copy()
+    elif ref.dtype == "BF16":
         wide = buf.view("<u2").astype(np.uint32) << 16
         out = wide.view(np.float32)
     elif ref.dtype in PLAIN_DTYPES:
@@ -95,6 +99,10 @@ def _dequantize_ggml(ref: TensorRef, buf: np.ndarray) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    if ref.dtype == "MXFP4":  # our own, bit-identical to gguf.quants (tests/test_families_extra.py)
+        from .mxfp4 import dequantize_ggml
+
+        return dequantize_ggml(buf)
     try:
         qtype = GGMLQuantizationType[ref.dtype]
     except KeyError:

@@ -1,16 +1,17 @@
 """Architecture registry and tensor-name tables.
 
 Each architecture file states only what differs (config parsing, router kind, q/k norm, name
-overrides); the transformer loop itself lives once in `runtime/model.py`.
+overrides, expert layout); the transformer loop itself lives once in `runtime/model.py`, the two
+attention kinds (GQA, MLA) in `runtime/attention.py`.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from . import mixtral, olmoe, qwen3_moe
+from . import deepseek_v2, gpt_oss, mixtral, olmoe, qwen3_moe
 
-ARCHITECTURES: tuple[ModuleType, ...] = (olmoe, qwen3_moe, mixtral)
+ARCHITECTURES: tuple[ModuleType, ...] = (olmoe, qwen3_moe, mixtral, deepseek_v2, gpt_oss)
 BY_HF_TYPE = {t: m for m in ARCHITECTURES for t in m.HF_MODEL_TYPES}
 BY_GGUF_ARCH = {t: m for m in ARCHITECTURES for t in m.GGUF_ARCHES}
 
@@ -27,6 +28,7 @@ HF_NAMES: dict[str, tuple[str, ...]] = {
     "q_bias": ("model.layers.{L}.self_attn.q_proj.bias",),
     "k_bias": ("model.layers.{L}.self_attn.k_proj.bias",),
     "v_bias": ("model.layers.{L}.self_attn.v_proj.bias",),
+    "o_bias": ("model.layers.{L}.self_attn.o_proj.bias",),
     "q_norm": ("model.layers.{L}.self_attn.q_norm.weight",),
     "k_norm": ("model.layers.{L}.self_attn.k_norm.weight",),
     "ffn_norm": ("model.layers.{L}.post_attention_layernorm.weight",),
@@ -55,10 +57,12 @@ GGUF_NAMES: dict[str, tuple[str, ...]] = {
     "q_bias": ("blk.{L}.attn_q.bias",),
     "k_bias": ("blk.{L}.attn_k.bias",),
     "v_bias": ("blk.{L}.attn_v.bias",),
+    "o_bias": ("blk.{L}.attn_output.bias",),
     "q_norm": ("blk.{L}.attn_q_norm.weight",),
     "k_norm": ("blk.{L}.attn_k_norm.weight",),
     "ffn_norm": ("blk.{L}.ffn_norm.weight",),
     "router": ("blk.{L}.ffn_gate_inp.weight",),
+    "router_bias": ("blk.{L}.ffn_gate_inp.bias",),
     "mlp_gate": ("blk.{L}.ffn_gate.weight",),
     "mlp_up": ("blk.{L}.ffn_up.weight",),
     "mlp_down": ("blk.{L}.ffn_down.weight",),
@@ -66,10 +70,16 @@ GGUF_NAMES: dict[str, tuple[str, ...]] = {
     "expert.gate": ("blk.{L}.ffn_gate.{E:03d}.weight",),
     "expert.up": ("blk.{L}.ffn_up.{E:03d}.weight",),
     "expert.down": ("blk.{L}.ffn_down.{E:03d}.weight",),
-    # Merged layout (llama.cpp default): numpy shape [E, I, H] (ne [H, I, E]).
+    "expert.gate_bias": ("blk.{L}.ffn_gate.{E:03d}.bias",),
+    "expert.up_bias": ("blk.{L}.ffn_up.{E:03d}.bias",),
+    "expert.down_bias": ("blk.{L}.ffn_down.{E:03d}.bias",),
+    # Merged layout (llama.cpp default): numpy shape [E, I, H] (ne [H, I, E]); biases [E, I] / [E, H].
     "experts.gate": ("blk.{L}.ffn_gate_exps.weight",),
     "experts.up": ("blk.{L}.ffn_up_exps.weight",),
     "experts.down": ("blk.{L}.ffn_down_exps.weight",),
+    "experts.gate_bias": ("blk.{L}.ffn_gate_exps.bias",),
+    "experts.up_bias": ("blk.{L}.ffn_up_exps.bias",),
+    "experts.down_bias": ("blk.{L}.ffn_down_exps.bias",),
 }
 
 

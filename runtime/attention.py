@@ -1,0 +1,103 @@
+"""Self-attention over one layer of the KV cache: grouped-query (GQA) and multi-head latent (MLA).
+
+Both write the new positions into the cache first, then attend from the T new queries to every
+slot ``allowed`` marks ([T, S] bool: causal / tree / sliding-window visibility). Optional per-head
+attention sinks (GPT-OSS) are one extra logit column of the softmax that takes probability mass
+but carries no value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import rope
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    var = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(var + eps) * weight
+
+
+def masked_softmax(scores: np.ndarray, allowed: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
+    """Softmax over the last axis where ``allowed``; ``sinks`` (broadcast to [..., 1]) join the
+    normaliser only. Every row sees at least its own slot, so the max is finite."""
+    scores = np.where(allowed, scores, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, sinks)
+    e = np.exp(scores - top)
+    total = e.sum(-1, keepdims=True)
+    if sinks is not None:
+        total += np.exp(sinks - top)
+    return e / total
+
+
+def _linear(x: np.ndarray, W: dict, name: str) -> np.ndarray:
+    y = x @ W[name].T
+    bias = W.get(name + "_bias")
+    return y if bias is None else y + bias
+
+
+def gqa(c: ModelConfig, W: dict, L: int, x: np.ndarray, start: int, kv: KVCache, cs, allowed) -> np.ndarray:
+    T = x.shape[0]
+    nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+    p = f"layers.{L}."
+    q, k, v = _linear(x, W, p + "q"), _linear(x, W, p + "k"), _linear(x, W, p + "v")
+    if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+        q = rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
+    if c.clip_qkv is not None:
+        q, k, v = (np.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
+    q = q.reshape(T, nh, D).transpose(1, 0, 2)  # [nh, T, D]
+    k = k.reshape(T, nkv, D).transpose(1, 0, 2)
+    v = v.reshape(T, nkv, D).transpose(1, 0, 2)
+    if c.qk_norm == "per_head":  # Qwen3: per head, after the split
+        q = rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
+    q, k = rope.apply(q, *cs, c.rope_interleave), rope.apply(k, *cs, c.rope_interleave)
+    kv.write(L, start, k, v)
+    keys, values = kv.view(L, start + T)  # [nkv, S, D]
+    S = start + T
+    group = nh // nkv
+    qg = q.reshape(nkv, group * T, D)  # heads sharing a kv head stacked on the query axis
+    scores = ((qg @ keys.transpose(0, 2, 1)) * c.attn_scale).reshape(nkv, group, T, S)
+    sinks = W[p + "sinks"].reshape(nkv, group, 1, 1) if c.attention_sinks else None
+    probs = masked_softmax(scores, allowed, sinks).reshape(nkv, group * T, S)
+    out = (probs @ values).reshape(nh, T, D)
+    return _linear(out.transpose(1, 0, 2).reshape(T, nh * D), W, p + "o")
+
+
+def mla(c: ModelConfig, W: dict, L: int, x: np.ndarray, start: int, kv: KVCache, cs, allowed) -> np.ndarray:
+    """DeepSeek's multi-head latent attention in its absorbed form.
+
+    The cache holds, per position, the normalised latent c_kv [r] and the shared RoPE key k_pe
+    [dr]. transformers decompresses every cached latent into per-head keys/values with kv_b; here
+    kv_b's key half is folded into the query and its value half applied after the weighted sum,
+    which is the same product reassociated: O(heads·S·r) per token instead of O(S·r·heads·(dn+dv)).
+    """
+    T = x.shape[0]
+    nh, r, dr, dv = c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.v_head_dim
+    dn = c.head_dim - dr
+    p = f"layers.{L}."
+    if c.q_lora_rank:
+        q = rms_norm(_linear(x, W, p + "q_a"), W[p + "q_a_norm"], c.rms_norm_eps) @ W[p + "q_b"].T
+    else:
+        q = x @ W[p + "q"].T
+    q = q.reshape(T, nh, dn + dr).transpose(1, 0, 2)  # [nh, T, dn + dr]
+    compressed = _linear(x, W, p + "kv_a")  # [T, r + dr]
+    latent = rms_norm(compressed[:, :r], W[p + "kv_a_norm"], c.rms_norm_eps)
+    q_pe = rope.apply(q[..., dn:], *cs, c.rope_interleave)
+    k_pe = rope.apply(compressed[None, :, r:], *cs, c.rope_interleave)  # [1, T, dr]
+    kv.write(L, start, latent[None], k_pe)
+    lat, pe = kv.view(L, start + T)  # [1, S, r], [1, S, dr]
+    kv_b = W[p + "kv_b"].reshape(nh, dn + dv, r)
+    q_lat = q[..., :dn] @ kv_b[:, :dn]  # [nh, T, r]: the nope query in latent space
+    scores = (q_lat @ lat[0].T + q_pe @ pe[0].T) * c.attn_scale  # [nh, T, S]
+    probs = masked_softmax(scores, allowed)
+    out = (probs @ lat[0]) @ kv_b[:, dn:].transpose(0, 2, 1)  # [nh, T, dv]
+    return _linear(out.transpose(1, 0, 2).reshape(T, nh * dv), W, p + "o")
+
+
+ATTENTION = {"gqa": gqa, "mla": mla}
