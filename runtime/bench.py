@@ -49,7 +49,7 @@ def phase_bytes(report: dict) -> int:
 
 def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str | None, n_prompts: int,
               max_tokens: int, settings: SpecSettings, costs: CostConstants | None, params: SamplingParams,
-              progress=None, estimate=None, hot=None) -> list[Record]:
+              progress=None, estimate=None, hot=None, engine_kw: dict | None = None) -> list[Record]:
     path = resolve_workload(workload)
     prompts = load_workload(path)[:n_prompts]
     ids = [tokenizer.encode(p).ids[-512:] for p in prompts]  # long prompts: keep the tail
@@ -61,7 +61,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
     records, throughput = [], {}
     for name in methods:
         spec = get_method(name)
-        engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded)
+        engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded, **(engine_kw or {}))
         if costs is None and estimate is not None:
             costs = estimate(engine.model, ids[0], draft_policy)
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs, params)
@@ -85,6 +85,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         records.append(Record(
             "bench", name, "tok/s", samples,
             params={"method": name, "workload": path.name, "budget": budget or "1.0", "n_prompts": len(ids),
+                    "emulation": engine.emulation.describe() if engine.emulation.active else None,
                     "max_tokens": max_tokens, "draft_topk": settings.draft_topk, "draft_cap": settings.draft_cap,
                     "temperature": params.temperature},
             extra={"acceptance_length": statistics.mean(a for a in acc if a is not None),

@@ -25,6 +25,8 @@ def bench(
     rg_variant: str = typer.Option("paper", "--rg-variant"),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     seed: Optional[int] = typer.Option(0, "--seed"),
+    emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
+    emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated request latency µs."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the records (JSON) here; '-' for stdout."),
     csv_path: Optional[str] = typer.Option(None, "--csv", help="Write the records as CSV here."),
 ):
@@ -57,10 +59,13 @@ def bench(
             costs = chosen.profile.costs if chosen.profile is not None else None
             records = run_bench(loaded, tok, workload, names, chosen.budget, n_prompts, max_tokens, settings, costs,
                                 params, hot=chosen.hot_experts,
+                                engine_kw={"emulate_bandwidth": emulate_bandwidth, "emulate_latency": emulate_latency},
                                 progress=lambda name: progress.update(task, advance=1, description=name),
                                 estimate=estimate_costs)
-        table = Table(title=f"{records[0].params['workload']} · budget {budget or 'full'} · "
-                            f"{records[0].params['n_prompts']} prompts × {max_tokens} tokens")
+        emulated = records[0].params.get("emulation")
+        table = Table(title=f"{records[0].params['workload']} · budget {chosen.budget or 'full'} · "
+                            f"{records[0].params['n_prompts']} prompts × {max_tokens} tokens"
+                            + (f" · {emulated}" if emulated else ""))
         for col in ("method", "tok/s (median)", "speedup vs AR", "acceptance length", "reuse ratio", "KiB fetched/token"):
             table.add_column(col, justify="right")
         for r in records:
