@@ -110,7 +110,8 @@ class ModelConfig:
             if not (self.kv_lora_rank and self.qk_rope_head_dim and self.v_head_dim):
                 problems.append("MLA needs kv_lora_rank, qk_rope_head_dim and v_head_dim")
             elif not 0 < self.qk_rope_head_dim <= self.head_dim or self.qk_rope_head_dim % 2:
-                problems.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and at most head_dim {self.head_dim}")
+                problems.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and at most "
+                                f"head_dim {self.head_dim}")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             problems.append(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
         if self.expert_groups:
@@ -267,7 +268,7 @@ def common_hf_fields(cfg: ConfigReader) -> dict[str, Any]:
         num_kv_heads=cfg.get("num_key_value_heads", default=heads),
         head_dim=head_dim,
         num_experts=cfg.get("num_experts", "num_local_experts", "n_routed_experts"),
-        top_k=cfg.get("num_experts_per_tok"),
+        top_k=cfg.get("num_experts_per_tok", "experts_per_token"),  # the latter: GPT-OSS hub files
         rms_norm_eps=cfg.get("rms_norm_eps", default=1e-5, kind=float),
         **rope_from_hf(cfg),
         max_position_embeddings=cfg.get("max_position_embeddings", default=4096),

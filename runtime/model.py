@@ -170,7 +170,8 @@ class MoEModel:
             raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
         pos = np.arange(start, start + T) if positions is None else np.asarray(positions, dtype=np.int64)
         cos, sin = self._rope(pos)
-        masks = {w: self._visibility(start, T, pos, tree_mask, w) for w in {c.window_of(L) for L in range(c.num_layers)}}
+        windows = {c.window_of(L) for L in range(c.num_layers)}  # GPT-OSS: sliding and full layers
+        masks = {w: self._visibility(start, T, pos, tree_mask, w) for w in windows}
         rec = RoutingRecord() if record else None
         begin, end = getattr(self.experts, "begin_pass", None), getattr(self.experts, "end_pass", None)
         if begin:

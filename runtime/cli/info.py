@@ -11,14 +11,35 @@ from .common import out, print_json, resolve_model
 from .errors import cli_errors
 
 
+def _router(c) -> str:
+    text = c.router
+    if c.norm_topk_prob and c.router != "topk_softmax":
+        text += " (renormalised)"
+    if c.expert_groups:
+        text += f", best {c.expert_groups_used} of {c.expert_groups} groups"
+    if c.routed_scaling_factor != 1.0:
+        text += f", weights × {c.routed_scaling_factor:g}"
+    return text
+
+
+def _attention(c) -> str:
+    text = c.attention
+    if c.sliding_window:
+        layers = sum(c.sliding_layers) if c.sliding_layers else c.num_layers
+        text += f", window {c.sliding_window} on {layers} of {c.num_layers} layers"
+    return text + (", sinks" if c.attention_sinks else "")
+
+
 def describe(loaded) -> dict:
     c = loaded.config
     any_expert = next(iter(loaded.experts.values()))
+    shared = sum(a.nbytes for k, a in loaded.dense.items() if k.split(".")[-1].startswith("shared_"))
     return {
         "path": loaded.path,
         "format": loaded.format,
         "expert_layout": loaded.expert_layout,
         "architecture": c.arch,
+        "attention": _attention(c),
         "layers": c.num_layers,
         "moe_layers": len(c.moe_layer_ids),
         "hidden_size": c.hidden_size,
@@ -29,13 +50,17 @@ def describe(loaded) -> dict:
         "experts_per_layer": c.num_experts,
         "top_k": c.top_k,
         "expert_intermediate_size": c.expert_intermediate_size,
-        "router": c.router + (" (renormalised)" if c.norm_topk_prob and c.router == "softmax_topk" else ""),
-        "expert_storage_type": any_expert.gate.dtype,
+        "router": _router(c),
+        "expert_activation": c.expert_act + (" with biases" if c.expert_bias else ""),
+        "expert_storage_type": any_expert.storage_type,
         "expert_bytes_stored": any_expert.stored_bytes,
         "expert_bytes_resident": any_expert.resident_bytes,
         "experts_total": len(loaded.experts),
         "expert_bytes_stored_total": loaded.expert_stored_bytes,
         "expert_bytes_resident_total": loaded.expert_resident_bytes,
+        "shared_expert_intermediate_size": c.shared_expert_intermediate_size,
+        "shared_expert_bytes_resident": shared,  # part of the dense bytes: never offloaded
+        "kv_bytes_per_position": c.kv_floats_per_position * 4,
         "dense_bytes_resident": loaded.dense_bytes,
         "total_bytes_resident": loaded.dense_bytes + loaded.expert_resident_bytes,
     }
@@ -65,6 +90,6 @@ def info(
         table.add_column("field", style="bold")
         table.add_column("value")
         for key, value in facts.items():
-            shown = _fmt_bytes(value) + f" ({value:,})" if "bytes" in key else str(value)
+            shown = _fmt_bytes(value) + f" ({value:,})" if "bytes" in key and value is not None else str(value)
             table.add_row(key, shown)
         out.print(table)

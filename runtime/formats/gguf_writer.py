@@ -2,8 +2,10 @@
 
 Experts can be written merged (`blk.L.ffn_gate_exps.weight`, llama.cpp's default) or split one
 tensor per (layer, expert, projection) (`blk.L.ffn_gate.NNN.weight`, the published S²-MoE fork).
-Norms and the router stay F32 (llama.cpp's habit); 2-D weights take the requested type where
-their rows divide into its blocks, else F16. The file is written to a temp name, then renamed.
+Tensor names come from the architecture files' GGUF tables (one source of truth with the loader).
+Norms, biases, sinks and the router stay F32 (llama.cpp's habit); 2-D weights take the requested
+type where their rows divide into its blocks, else F16. The file is written to a temp name, then
+renamed.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import UsageError
-from ..loader import LoadedModel
+from ..loader import BIASES, PROJECTIONS, LoadedModel
+from ..models import BY_GGUF_ARCH, names_for
 
-GGUF_ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+GGUF_ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "deepseek_v2": "deepseek2",
+             "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 
 
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -30,42 +34,44 @@ def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 def _named_tensors(model: LoadedModel, read_expert, split_experts: bool) -> Iterator[tuple[str, np.ndarray, bool]]:
     """(GGUF name, float32 array, is_expert) in llama.cpp's order."""
     c, d = model.config, model.dense
+    names = names_for(BY_GGUF_ARCH[GGUF_ARCH[c.arch]], "gguf")
     permute = c.arch == "mixtral"
     yield "token_embd.weight", d["embed"], False
     yield "output_norm.weight", d["norm"], False
     if not c.tie_word_embeddings:
         yield "output.weight", d["lm_head"], False
-    gguf_names = {
-        "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight", "q": "attn_q.weight",
-        "k": "attn_k.weight", "v": "attn_v.weight", "o": "attn_output.weight", "q_norm": "attn_q_norm.weight",
-        "k_norm": "attn_k_norm.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
-        "router": "ffn_gate_inp.weight", "mlp_gate": "ffn_gate.weight", "mlp_up": "ffn_up.weight",
-        "mlp_down": "ffn_down.weight",
-    }
     for L in range(c.num_layers):
-        for canon, gname in gguf_names.items():
-            w = d.get(f"layers.{L}.{canon}")
-            if w is None:
+        prefix = f"layers.{L}."
+        for key, w in d.items():
+            if not key.startswith(prefix):
                 continue
+            canon = key[len(prefix):]
             if permute and canon in ("q", "k"):
                 w = _permute_qk(w, c.num_heads if canon == "q" else c.num_kv_heads)
-            yield f"blk.{L}.{gname}", w, False
+            yield names[canon][0].format(L=L), w, False
+            if canon == "kv_b":  # llama.cpp also writes kv_b split per head for its absorbed MLA
+                nh, dn = c.num_heads, c.head_dim - c.qk_rope_head_dim
+                per_head = w.reshape(nh, -1, w.shape[1])
+                yield names["k_b"][0].format(L=L), np.ascontiguousarray(per_head[:, :dn].transpose(0, 2, 1)), False
+                yield names["v_b"][0].format(L=L), np.ascontiguousarray(per_head[:, dn:]), False
         if not c.moe_layers[L]:
             continue
         experts = [read_expert(L, e) for e in range(c.num_experts)]
-        for proj in ("gate", "up", "down"):
+        for part in PROJECTIONS + BIASES:
+            if getattr(experts[0], part) is None:
+                continue
             if split_experts:
                 for e, w in enumerate(experts):
-                    yield f"blk.{L}.ffn_{proj}.{e:03d}.weight", getattr(w, proj), True
+                    yield names[f"expert.{part}"][0].format(L=L, E=e), getattr(w, part), True
             else:
-                yield f"blk.{L}.ffn_{proj}_exps.weight", np.stack([getattr(w, proj) for w in experts]), True
+                yield names[f"experts.{part}"][0].format(L=L), np.stack([getattr(w, part) for w in experts]), True
 
 
 def _encode(name: str, w: np.ndarray, kind: str):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
-    if w.ndim == 1 or "ffn_gate_inp" in name or "norm" in name:
+    if w.ndim == 1 or "ffn_gate_inp" in name or "norm" in name or name.endswith(".bias") or "sinks" in name:
         return w.astype(np.float32), None
     if kind == "F32":
         return w.astype(np.float32), None
@@ -112,9 +118,10 @@ def write_gguf(
         w.add_context_length(c.max_position_embeddings)
         w.add_embedding_length(c.hidden_size)
         w.add_head_count(c.num_heads)
-        w.add_head_count_kv(c.num_kv_heads)
-        w.add_key_length(c.head_dim)
-        w.add_value_length(c.head_dim)
+        if c.attention != "mla":  # MLA: llama.cpp's own spellings, in _add_arch_metadata
+            w.add_head_count_kv(c.num_kv_heads)
+            w.add_key_length(c.head_dim)
+            w.add_value_length(c.head_dim)
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
         w.add_rope_freq_base(c.rope_theta)
         w.add_expert_count(c.num_experts)
@@ -129,6 +136,7 @@ def write_gguf(
             w.add_bos_token_id(c.bos_token_id)
         if c.eos_token_ids:
             w.add_eos_token_id(c.eos_token_ids[0])
+        _add_arch_metadata(w, c)
         if tokenizer_json:
             _add_tokenizer(w, tokenizer_json)
         overrides = raw_overrides or {}
@@ -148,6 +156,59 @@ def write_gguf(
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out_path
+
+
+def _add_arch_metadata(w, c) -> None:
+    """RoPE scaling and the DeepSeek / GPT-OSS keys, spelled as llama.cpp's converter writes them."""
+    import gguf
+
+    if c.rope_type == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(c.rope_factor)
+        w.add_rope_scaling_orig_ctx_len(c.rope_original_max_position or c.max_position_embeddings)
+        if (c.rope_beta_fast, c.rope_beta_slow) != (32.0, 1.0):
+            w.add_rope_scaling_yarn_beta_fast(c.rope_beta_fast)
+            w.add_rope_scaling_yarn_beta_slow(c.rope_beta_slow)
+        if c.rope_attention_factor is not None:
+            w.add_rope_scaling_attn_factors(c.rope_attention_factor)
+    if c.attention == "mla":
+        if not c.rope_interleave:
+            raise UsageError("llama.cpp's deepseek2 rotates adjacent RoPE pairs; this model (rope_interleave "
+                             "false) rotates halves and cannot be written as GGUF yet")
+        if c.rope_type == "yarn" and (c.rope_mscale or 0) != (c.rope_mscale_all_dim or 0):
+            raise UsageError("llama.cpp's deepseek2 assumes YaRN mscale = mscale_all_dim; this model differs")
+        if c.rope_type == "yarn" and c.rope_mscale_all_dim:
+            w.add_rope_scaling_yarn_log_mul(0.1 * c.rope_mscale_all_dim)
+        w.add_head_count_kv(1)  # llama.cpp's absorbed MLA: one shared latent "head"
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+        w.add_rope_dimension_count(c.qk_rope_head_dim)
+        if c.q_lora_rank:
+            w.add_q_lora_rank(c.q_lora_rank)
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        w.add_leading_dense_block_count(c.moe_layers.index(True) if any(c.moe_layers) else c.num_layers)
+        shared = c.shared_expert_intermediate_size or 0
+        if shared % c.expert_intermediate_size:
+            raise UsageError("shared expert width is not a multiple of the expert width; GGUF cannot say so")
+        w.add_expert_shared_count(shared // c.expert_intermediate_size)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        sigmoid = c.router == "sigmoid_topk"
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+        if c.expert_groups:
+            w.add_expert_group_count(c.expert_groups)
+            w.add_expert_group_used_count(c.expert_groups_used)
+    if c.arch == "gpt_oss":
+        from ..models.gpt_oss import SWIGLU
+
+        if (c.swiglu_alpha, c.swiglu_limit) != SWIGLU:
+            raise UsageError(f"llama.cpp's gpt-oss fixes SwiGLU alpha {SWIGLU[0]} and limit {SWIGLU[1]}; "
+                             f"this model has {c.swiglu_alpha} and {c.swiglu_limit}")
+        if c.sliding_window:
+            w.add_sliding_window(c.sliding_window)
+            if c.sliding_layers != tuple(i % 2 == 0 for i in range(c.num_layers)):
+                w.add_sliding_window_pattern(list(c.sliding_layers))
 
 
 def _add_tokenizer(w, tokenizer_json: str) -> None:

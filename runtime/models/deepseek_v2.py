@@ -17,7 +17,7 @@
 
 from __future__ import annotations
 
-from ..config import ConfigReader, ModelConfig, common_gguf_fields, common_hf_fields
+from ..config import ConfigReader, ModelConfig, _from_f32, common_gguf_fields, common_hf_fields
 from ..errors import UnsupportedModelError
 
 NAME = "deepseek_v2"
@@ -55,7 +55,8 @@ def config_from_hf(cfg: ConfigReader) -> ModelConfig:
     fields.update(head_dim=nope + rope, num_kv_heads=fields["num_heads"])
     method = cfg.data.get("topk_method", "greedy") if not v3 else "noaux_tc"
     if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-        raise UnsupportedModelError(f"{cfg.source}: topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        raise UnsupportedModelError(f"{cfg.source}: topk_method {method!r} is not supported "
+                                    "(greedy, group_limited_greedy)")
     groups = (cfg.get("n_group", default=1), cfg.get("topk_group", default=1)) if method != "greedy" else (None, None)
     shared = cfg.get("n_shared_experts", default=0)
     dense = cfg.get("first_k_dense_replace", default=0)
@@ -113,7 +114,7 @@ def config_from_gguf(meta: ConfigReader, arch: str) -> ModelConfig:
         v_head_dim=meta.get(f"{a}.attention.value_length_mla", f"{a}.attention.value_length"),
         rope_interleave=True,
         shared_expert_intermediate_size=expert_width * shared if shared else None,
-        routed_scaling_factor=float(f"{meta.get(f'{a}.expert_weights_scale', default=1.0, kind=float):.7g}"),
+        routed_scaling_factor=_from_f32(meta.get(f"{a}.expert_weights_scale", default=1.0, kind=float)),
         expert_groups=groups or None,
         expert_groups_used=used or None,
         router_score_bias=v3,

@@ -43,8 +43,8 @@ def _alternating(n: int) -> tuple[bool, ...]:
     return tuple(i % 2 == 0 for i in range(n))
 
 
-SHARED = dict(router="topk_softmax", norm_topk_prob=True, attention_out_bias=True, attention_sinks=True,
-              router_bias=True, expert_bias=True, expert_act="swiglu_clamped")
+SHARED = dict(router="topk_softmax", norm_topk_prob=True, attention_sinks=True, router_bias=True, expert_bias=True,
+              expert_act="swiglu_clamped")
 
 
 def config_from_hf(cfg: ConfigReader) -> ModelConfig:
@@ -56,6 +56,7 @@ def config_from_hf(cfg: ConfigReader) -> ModelConfig:
         arch=NAME,
         **fields,
         **SHARED,
+        attention_out_bias=fields["attention_bias"],  # one switch for q/k/v/o in GPT-OSS
         expert_intermediate_size=cfg.get("intermediate_size"),
         sliding_window=cfg.get("sliding_window", default=None),
         sliding_layers=sliding,
@@ -69,6 +70,7 @@ def config_from_gguf(meta: ConfigReader, arch: str) -> ModelConfig:
     fields = common_gguf_fields(meta, a)
     if fields.get("rope_type") == "yarn":
         fields["rope_truncate"] = False  # GPT-OSS's YaRN leaves the correction range untruncated
+    fields["attention_bias"] = True  # llama.cpp's gpt-oss always carries q/k/v/o biases
     n = fields["num_layers"]
     pattern = meta.data.get(f"{a}.attention.sliding_window_pattern")
     sliding = tuple(bool(v) for v in pattern) if isinstance(pattern, list) else _alternating(n)
@@ -76,6 +78,7 @@ def config_from_gguf(meta: ConfigReader, arch: str) -> ModelConfig:
         arch=NAME,
         **fields,
         **SHARED,
+        attention_out_bias=True,
         expert_intermediate_size=meta.get(f"{a}.expert_feed_forward_length"),
         sliding_window=meta.get(f"{a}.attention.sliding_window", default=None),
         sliding_layers=sliding,
