@@ -190,6 +190,7 @@ def new_staging_dir(out_dir):
 
 
 def save_assets(model, tok, record, staging, out_dir):
+    model.config.output_router_logits = False  # a training-only switch; inference should not compute aux loss
     model.to(torch.float16).save_pretrained(staging)
     for name in os.listdir(staging):
         if name not in KEEP_FILES | {"training_log.jsonl"}:  # e.g. an index file save_pretrained may add
@@ -200,6 +201,9 @@ def save_assets(model, tok, record, staging, out_dir):
     with open(os.path.join(staging, "training_record.json"), "w") as f:
         json.dump(record, f, indent=2)
         f.write("\n")
+    os.chmod(staging, 0o755)  # mkdtemp and safetensors create owner-only modes; assets are meant to be shared
+    for name in os.listdir(staging):
+        os.chmod(os.path.join(staging, name), 0o644)
     old = None
     if os.path.exists(out_dir):  # swap, so the old folder is only dropped once the new one is in place
         old = out_dir + ".old-" + str(os.getpid())
