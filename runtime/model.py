@@ -25,7 +25,8 @@ from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, route, 
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):  # exp(-x) → inf for very negative x gives the right limit, -0
+        return x / (1.0 + np.exp(-x))
 
 
 def _biased(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:

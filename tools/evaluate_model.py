@@ -2,7 +2,7 @@
 
     python tools/evaluate_model.py [--model runtime/assets/default-moe] [--tokens 16384]
 
-Measures on the held-out split (tools/corpus.py, split by file):
+Measures on the held-out split (tools/corpus.py, split by file), in windows spread evenly over it:
 - held-out cross-entropy / perplexity, next to a unigram baseline (training-split unigram
   distribution, add-one smoothed) — the model must be clearly below it;
 - per-layer routing skew: share of expert activations taken by the top 25 % of experts
@@ -34,9 +34,10 @@ from s2moe.runtime.generate import generate_ar  # noqa: E402
 from s2moe.runtime.loader import load_model  # noqa: E402
 from s2moe.runtime.model import MoEModel  # noqa: E402
 from s2moe.runtime.routing import RoutingPolicy, softmax  # noqa: E402
+from s2moe.runtime.sampling import SamplingParams  # noqa: E402
 from s2moe.runtime.tokenizer import load_tokenizer  # noqa: E402
 
-SAMPLE_PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self):\n",
+SAMPLE_PROMPTS = ["def fibonacci(n):", "import os", "class Stack:\n    def __init__(self):",
                   "The built-in function len() returns"]
 
 
@@ -61,7 +62,7 @@ def evaluate(model_dir: str, n_tokens: int, window: int, draft_ks: list[int]) ->
     tok = load_tokenizer(loaded)
     eos = c.eos_token_ids[0]
     model = MoEModel(loaded)
-    heldout = stream(tok, "heldout", eos, n_tokens + 1)
+    heldout = stream(tok, "heldout", eos)  # all of it; windows are spread evenly over it below
     train = stream(tok, "train", eos)
     counts = np.bincount(train, minlength=c.vocab_size).astype(np.float64) + 1.0
     unigram = counts / counts.sum()
@@ -72,7 +73,10 @@ def evaluate(model_dir: str, n_tokens: int, window: int, draft_ks: list[int]) ->
     agree = {k: {"shared_kv": [0, 0.0], "own_context": [0, 0.0]} for k in draft_ks}
     positions = 0
     t0 = time.perf_counter()
-    for start in range(0, len(heldout) - 1, window):
+    # evenly spaced windows: the held-out files differ a lot (generated codec tables are nearly
+    # free to predict), so the first N tokens would not be representative
+    n_windows = max(1, n_tokens // window)
+    for start in np.linspace(0, len(heldout) - window - 2, n_windows).astype(int):
         ids = heldout[start:start + window + 1]
         if len(ids) < 2:
             break
@@ -125,8 +129,9 @@ def evaluate(model_dir: str, n_tokens: int, window: int, draft_ks: list[int]) ->
               for k, d in agree.items()}
     samples = []
     for prompt in SAMPLE_PROMPTS:
-        res = generate_ar(model, tok.encode(prompt).ids, 48, stop_ids=c.eos_token_ids)
-        samples.append({"prompt": prompt, "completion": tok.decode(res.tokens)})
+        for params in (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.95, seed=0)):
+            res = generate_ar(model, tok.encode(prompt).ids, 48, params, stop_ids=c.eos_token_ids)
+            samples.append({"prompt": prompt, "temperature": params.temperature, "completion": tok.decode(res.tokens)})
     return {
         "model": os.path.relpath(model_dir, ROOT), "evaluated_tokens": n,
         "heldout_loss_nats": round(nll / n, 4), "heldout_perplexity": round(math.exp(nll / n), 2),
@@ -143,15 +148,19 @@ def render(card: dict, record: dict | None) -> str:
              "`s2moe-calib profile` have a real model to work with offline. Figures below are produced by "
              "`tools/evaluate_model.py` with the s2moe runtime on the held-out split (files never seen in "
              "training).", ""]
-    if record:
-        cfg = record.get("config", {})
+    if record:  # written by tools/train_default_model.py
+        train, model, corpus = record.get("training", {}), record.get("model", {}), record.get("corpus", {})
+        rows = [("seed", record.get("seed")), ("python / torch / transformers",
+                 f"{record.get('python')} / {record.get('torch')} / {record.get('transformers')}"),
+                ("corpus", corpus.get("source")), ("held-out rule", corpus.get("held_out_rule")),
+                ("train files / tokens", f"{corpus.get('train_files')} / {corpus.get('train_tokens')}"),
+                ("held-out files / tokens", f"{len(corpus.get('heldout_relpaths', []))} / {corpus.get('heldout_tokens')}"),
+                ("final train loss (nats)", record.get("final_train_loss")),
+                ("held-out loss at the end of training (all held-out tokens)", record.get("heldout_loss"))]
+        rows += [(f"training.{k}", v) for k, v in train.items()]
+        rows += [(f"model.{k}", v) for k, v in model.items()]
         lines += ["## Training", "", "| item | value |", "|---|---|"]
-        for key in ("steps", "tokens_seen", "wall_time_s", "seed", "parameter_count", "python_version",
-                    "torch_version", "transformers_version"):
-            if key in record:
-                lines.append(f"| {key} | {record[key]} |")
-        for key, value in cfg.items():
-            lines.append(f"| config.{key} | {value} |")
+        lines += [f"| {k} | {v} |" for k, v in rows]
         lines.append("")
     lines += ["## Held-out quality", "", "| metric | model | unigram baseline |", "|---|---|---|",
               f"| cross-entropy (nats/token) | {card['heldout_loss_nats']} | {card['unigram_loss_nats']} |",
@@ -170,9 +179,10 @@ def render(card: dict, record: dict | None) -> str:
         for name, v in d.items():
             kv = "shared with target (CA)" if name == "shared_kv" else "draft's own"
             lines.append(f"| {k} | {kv} | {v['greedy_agreement']:.1%} | {v['acceptance_t1']:.1%} |")
-    lines += ["", "## Sample generations (greedy, 48 tokens)", ""]
+    lines += ["", "## Sample generations (48 tokens; greedy repeats itself at this size, T = 0.7 reads better)", ""]
     for s in card["samples"]:
-        lines += ["```", s["prompt"] + s["completion"], "```", ""]
+        how = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-p 0.95, seed 0"
+        lines += [f"{how}:", "```", s["prompt"] + s["completion"], "```", ""]
     return "\n".join(lines)
 
 

@@ -26,9 +26,9 @@ def run(
     rg_variant: str = typer.Option("paper", "--rg-variant", help="Reuse-aware gating: paper (per-token λ, draft-confidence weights) or code (published code)."),
     no_rg: bool = typer.Option(False, "--no-rg", help="Turn reuse-aware gating off (lossless S²-MoE)."),
     no_share_kv: bool = typer.Option(False, "--no-share-kv", help="Ablation: the draft keeps its own KV cache."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy (argmax)."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy (argmax). Default: the model's generation_config.json, else 0."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p × the top probability."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget: 16g, 512m, 0.25 (share of expert bytes), or bytes. Default: everything resident."),
@@ -44,14 +44,13 @@ def run(
         from ..estimate import estimate_costs
         from ..loader import load_model
         from ..methods import get_method
-        from ..sampling import SamplingParams
         from ..speculative import SpeculativeDecoder
         from ..tokenizer import load_tokenizer
         from .spec_options import apply_profile, describe_costs, make_settings
 
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         loaded = load_model(resolve_model(model))
+        params = sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed)
         chosen = apply_profile(profile, loaded, budget, hot_experts)
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile)
@@ -81,6 +80,27 @@ def run(
             return
         stream.finish()
         print_summary(stats)
+
+
+def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed):
+    """Flags win; otherwise the model's generation_config.json (as transformers does), else greedy."""
+    import json
+    import os
+
+    from ..sampling import SamplingParams
+
+    gen = {}
+    path = os.path.join(loaded.path, "generation_config.json") if os.path.isdir(loaded.path) else None
+    if path and os.path.exists(path):
+        try:
+            with open(path) as f:
+                gen = json.load(f)
+        except (OSError, ValueError):
+            gen = {}
+    sampled = bool(gen.get("do_sample"))
+    pick = lambda flag, key, off: flag if flag is not None else (gen.get(key, off) if sampled else off)  # noqa: E731
+    return SamplingParams(float(pick(temperature, "temperature", 0.0)), int(pick(top_k, "top_k", 0)),
+                          float(pick(top_p, "top_p", 1.0)), min_p, seed)
 
 
 def settings_policy(settings):
