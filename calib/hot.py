@@ -63,9 +63,10 @@ def simulate_hit_rate(trace: Trace, sizes: dict, capacity: int, policy: str, pin
                     if key not in pinned:
                         pol.touch(key)
                     continue
+                pol.access(key)
                 while used + sizes[key] > capacity:
                     victim = pol.victim(protected | pinned)
-                    if victim is None:
+                    if victim is None or not pol.admit(key, victim):
                         break
                     pol.remove(victim)
                     held.discard(victim)
@@ -73,7 +74,7 @@ def simulate_hit_rate(trace: Trace, sizes: dict, capacity: int, policy: str, pin
                 if used + sizes[key] <= capacity:
                     held.add(key)
                     used += sizes[key]
-                    pol.touch(key)
+                    pol.insert(key)
     return hits / total if total else 0.0
 
 

@@ -47,14 +47,24 @@ class PhaseStats:
 
 
 class LRU:
+    """Evicts the least recently used expert; admits every fetched expert."""
+
     name = "lru"
 
     def __init__(self):
         self.order: OrderedDict[Key, None] = OrderedDict()
 
-    def touch(self, key: Key) -> None:
+    def access(self, key: Key) -> None:  # a miss: LRU keeps no history of absent keys
+        pass
+
+    def insert(self, key: Key) -> None:
         self.order[key] = None
         self.order.move_to_end(key)
+
+    touch = insert  # a hit
+
+    def admit(self, key: Key, victim: Key) -> bool:
+        return True
 
     def remove(self, key: Key) -> None:
         self.order.pop(key, None)
@@ -64,10 +74,12 @@ class LRU:
 
 
 class DecayedLFU:
-    """Evicts the resident expert with the lowest exponentially decayed use count.
+    """Evicts the resident expert with the lowest exponentially decayed use count, and admits a
+    fetched expert only if it has been used more than that victim (TinyLFU-style admission).
 
-    Counts survive eviction (routing skew is persistent), so an expert that is popular overall
-    comes back with its history; ties go to the least recently used.
+    Counts are kept for absent experts too and survive eviction (routing skew is persistent), so
+    a verification batch that touches many rarely used experts streams them through instead of
+    flushing the experts every pass needs; ties go to the least recently used.
     """
 
     name = "lfu"
@@ -82,11 +94,20 @@ class DecayedLFU:
     def _score(self, key: Key) -> float:
         return self.count[key] * 0.5 ** ((self.clock - self.last.get(key, self.clock)) / self.half_life)
 
-    def touch(self, key: Key) -> None:
+    def access(self, key: Key) -> None:
         self.clock += 1
         self.count[key] = self._score(key) + 1.0
         self.last[key] = self.clock
+
+    def insert(self, key: Key) -> None:
         self.resident.add(key)
+
+    def touch(self, key: Key) -> None:  # a hit
+        self.access(key)
+        self.resident.add(key)
+
+    def admit(self, key: Key, victim: Key) -> bool:
+        return self._score(key) > self._score(victim)
 
     def remove(self, key: Key) -> None:
         self.resident.discard(key)
@@ -168,15 +189,16 @@ class ExpertCache:
             self.policy.remove(key)
             self.resident_bytes -= self.held.pop(key).nbytes
 
-    def _evict_for(self, size: int, protected: set[Key]) -> bool:
+    def _make_room(self, key: Key, size: int, protected: set[Key]) -> bool:
+        """Evict until ``key`` fits, if the policy admits it over each victim; else keep all."""
         if self.capacity is None:
             return True
         while self.resident_bytes + size > self.capacity:
-            key = self.policy.victim(protected | self.pinned)
-            if key is None:
+            victim = self.policy.victim(protected | self.pinned)
+            if victim is None or not self.policy.admit(key, victim):
                 return False
-            self.policy.remove(key)
-            self.resident_bytes -= self.held.pop(key).nbytes
+            self.policy.remove(victim)
+            self.resident_bytes -= self.held.pop(victim).nbytes
         return True
 
     def get(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
@@ -196,6 +218,8 @@ class ExpertCache:
                     self.policy.touch(key)
         stats.hits += len(keys) - len(missing)
         stats.misses += len(missing)
+        for key in missing:
+            self.policy.access(key)
         if missing:
             t0 = time.perf_counter()
             fetched = self.store.read_many(layer, [e for _, e in missing])
@@ -204,10 +228,10 @@ class ExpertCache:
             for key, w in zip(missing, fetched):
                 stats.bytes_read += self.store.stored_bytes(*key)
                 out[key] = w
-                if self._evict_for(w.nbytes, protected):
+                if self._make_room(key, w.nbytes, protected):
                     self.held[key] = w
                     self.resident_bytes += w.nbytes
-                    self.policy.touch(key)
+                    self.policy.insert(key)
                 else:
                     stats.streamed += 1
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)

@@ -63,6 +63,9 @@ class SpecSettings:
     confidence_threshold: float = 0.5
     cascade_test_iters: int = 2
     cascade_set_iters: int = 16
+    # AE: after an iteration that admits nothing, run 1, 2, 4 … (≤ 16) plain AR steps before drafting
+    # again, so a draft that cannot pay for itself stops costing a draft pass per token
+    backoff: bool = True
 
     def validate(self, top_k: int, num_experts: int) -> "SpecSettings":
         if not 1 <= self.draft_topk <= num_experts:

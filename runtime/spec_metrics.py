@@ -22,6 +22,7 @@ class SpecMetrics:
     accepted: int = 0
     ar_steps: int = 0
     empty_drafts: int = 0
+    backoff_steps: int = 0  # AR steps taken while AE backs off
     draft_passes: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -56,6 +57,7 @@ class SpecMetrics:
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
             "mean_draft_length": round(self.drafted / self.verifications, 4) if self.verifications else 0.0,
             "empty_drafts": self.empty_drafts,
+            "backoff_steps": self.backoff_steps,
             "draft_passes": self.draft_passes,
             "reuse_ratio": round(float(np.mean(self.reuse_ratios)), 4) if self.reuse_ratios else None,
             "effective_verification_cost": round(float(np.mean(self.effective_costs)), 4) if self.effective_costs else None,

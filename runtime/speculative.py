@@ -103,6 +103,10 @@ class SpeculativeDecoder:
 
     def _draft_length(self) -> int:
         m, s = self.method, self.settings
+        if m.admit == "utility" and s.backoff and self._skip > 0:
+            self._skip -= 1
+            self.metrics.backoff_steps += 1
+            return 0
         if m.admit == "cascade":
             return self._cascade_k if self._cascade_k is not None else s.draft_cap
         return m.fixed_length or s.draft_cap
@@ -266,6 +270,7 @@ class SpeculativeDecoder:
         self.metrics = SpecMetrics()
         self.__dict__.pop("_cascade", None)
         self._cascade_k = self._cascade_options()[0] if m.admit == "cascade" else None
+        self._skip, self._wait = 0, 1
         out: list[int] = []
 
         def emit(tokens: list[int]) -> bool:
@@ -313,6 +318,8 @@ class SpeculativeDecoder:
                                                       first=runner_up))
             self.metrics.draft_seconds += time.perf_counter() - td
             branches = [b for b in branches if b.tokens] or branches[:1]
+            if m.admit == "utility":  # back off after a draft that admitted nothing (see SpecSettings)
+                self._skip, self._wait = (self._wait, min(2 * self._wait, 16)) if not branches[0].tokens else (0, 1)
             if m.share_kv:
                 kv.rollback(P)  # context alignment: draft KV never reaches the committed cache
             if not branches[0].tokens:  # nothing admitted: the verification is a plain AR step
