@@ -30,7 +30,7 @@ def fit(
         try:
             with open(samples_path) as f:
                 data = json.load(f)
-            samples = data["verification"]
+            samples = data["verification"] + data.get("decode_verification", [])
         except FileNotFoundError:
             raise UsageError(f"{samples_path}: samples file not found") from None
         except (ValueError, KeyError, TypeError):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import statistics
@@ -73,7 +74,7 @@ def _contexts(token_lists: list[list[int]], context: int, batch: int) -> list[tu
 
 
 def verification_samples(model: MoEModel, cache, token_lists: list[list[int]], max_batch: int, n_samples: int,
-                          tick: Tick = _noop, seed: int = 0, context: int = 24) -> list[dict]:
+                          tick: Tick = _noop, seed: int = 0, context: int = 24, reps: int = 3) -> list[dict]:
     """Timed target passes of 1..max_batch tokens with a chosen share of their experts resident.
 
     For each sample: one untimed pass finds the distinct experts N the batch needs; the cache is
@@ -99,16 +100,21 @@ def verification_samples(model: MoEModel, cache, token_lists: list[list[int]], m
             needed = sorted(rec.unique_experts())
             frac = fractions[i % len(fractions)]
             keep = [needed[j] for j in rng.permutation(len(needed))[: int(round(frac * len(needed)))]]
-            cache.clear()
-            for L in sorted({k[0] for k in keep}):
-                cache.get(L, [e for layer, e in keep if layer == L])
-            resident = sum(1 for k in needed if cache.contains(*k))
-            kv.rollback(len(ctx))
-            before = cache.stats["calibrate"].misses
-            t0 = time.perf_counter()
-            model.forward(batch, kv, start=len(ctx), logits="all", record=False)
-            seconds = time.perf_counter() - t0
-            missing = cache.stats["calibrate"].misses - before
+            times, missing, resident = [], 0, 0
+            for _ in range(reps):  # median of a few: one pass is ms-scale and this machine is shared
+                cache.clear()
+                for L in sorted({k[0] for k in keep}):
+                    cache.get(L, [e for layer, e in keep if layer == L])
+                resident = sum(1 for k in needed if cache.contains(*k))
+                kv.rollback(len(ctx))
+                before = cache.stats["calibrate"].misses
+                gc.disable()
+                t0 = time.perf_counter()
+                model.forward(batch, kv, start=len(ctx), logits="all", record=False)
+                times.append(time.perf_counter() - t0)
+                gc.enable()
+                missing = cache.stats["calibrate"].misses - before
+            seconds = float(np.median(times))
             samples.append({"n_tokens": n, "n_missing": missing, "n_resident": resident, "seconds": seconds})
             tick()
     cache.clear()

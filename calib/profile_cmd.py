@@ -124,7 +124,6 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
             model, cache, profiling, draft_cap + 1, samples_n, lambda: progress.advance(t))
         progress.update(t, completed=samples_n)
         keep("verification", ver)
-        cost_model, fit_r2, fit_mape = fit_cost_model(ver)
 
         # hot experts for the budget
         plan = plan_memory(loaded, Budget.parse(budget), 4096)
@@ -148,13 +147,33 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         for name, policy_for in (("t_ar", TARGET), ("c_draft", RoutingPolicy(top_k=draft_k))):
             if name not in steps:
                 engine = build_engine(loaded.path, budget, 4096, pinned, policy, emulate_bandwidth, emulate_latency,
-                                      loaded=loaded)
+                                      loaded=loaded, fetch_threads=fetch_threads)
                 steps[name] = measure.decode_step_times(engine.model, prompts, decode_tokens, policy_for, tick)
                 engine.close()
                 keep("decode_steps", steps)
         progress.update(t, completed=2 * len(prompts))
         t_ar, c_draft = steps["t_ar"], steps["c_draft"]
 
+        # verification passes of real S²-MoE decoding at the budget (profiling half of the workload):
+        # the controlled passes pin down miss vs hit costs, these add the operating distribution
+        # (eviction, streaming, gating) the model must predict; validate uses the other half
+        t = progress.add_task("decode passes (cost fit)", total=len(profiling[:16]))
+        in_situ = gathered.get("decode_verification")
+        if in_situ is None:
+            from s2moe.runtime.cost_model import CostConstants
+
+            from .validate_cmd import decode_passes
+
+            spec = {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k}
+            placeholder = CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0)  # threshold 0: unused
+            emu = {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
+            in_situ = [dict(zip(("n_tokens", "n_missing", "n_resident", "seconds"), row)) for row in decode_passes(
+                loaded, profiling[:16], budget, pinned, spec, placeholder, emu, 32, lambda: progress.advance(t),
+                fetch_threads)]
+        progress.update(t, completed=len(profiling[:16]))
+        keep("decode_verification", in_situ)
+
+    cost_model, fit_r2, fit_mape = fit_cost_model(ver + in_situ)
     ar, dr = measure.summarize(t_ar), measure.summarize(c_draft)
     const = cost_model.constants(ar["median"], dr["median"], "profile")
     per_layer = [{"layer": L, "stored": loaded.experts[L, 0].stored_bytes, "resident": loaded.experts[L, 0].resident_bytes}
@@ -182,7 +201,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         "cost_model": {"t_ar_ms": ar["median"] * ms, "t_ar_p90_ms": ar["p90"] * ms, "c_draft_ms": dr["median"] * ms,
                        "t_exp_miss_ms": const.t_exp_miss * ms, "t_exp_hit_ms": const.t_exp_hit * ms,
                        "t_base_ms": const.t_base * ms, "t_token_ms": const.t_token * ms,
-                       "fit": {"r2": round(fit_r2, 5), "mape_percent": round(fit_mape * 100, 3), "n": len(ver),
+                       "fit": {"r2": round(fit_r2, 5), "mape_percent": round(fit_mape * 100, 3),
+                               "n": len(ver) + len(in_situ), "n_controlled": len(ver), "n_decode": len(in_situ),
                                "features": list(FEATURES)}},
         "hot_experts": residency,
         "speculative": {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k,
@@ -227,7 +247,7 @@ def profile(
     draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token to time C_draft with."),
     samples: int = typer.Option(150, "--samples", min=10, help="Timed verification passes for the cost fit."),
     decode_tokens: int = typer.Option(24, "--decode-tokens", min=4, help="Decode steps per prompt for T_AR / C_draft."),
-    fetch_threads: int = typer.Option(4, "--fetch-threads", min=1, help="Concurrent expert reads (as the runtime does)."),
+    fetch_threads: int = typer.Option(8, "--fetch-threads", min=1, help="Concurrent expert reads (the runtime's default is 8; the profile records it and validate uses it)."),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated request latency µs."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its samples file."),

@@ -20,33 +20,41 @@ from s2moe.runtime.cli.common import err, print_json, resolve_model
 from s2moe.runtime.cli.errors import cli_errors
 
 
-def measured_passes(profile, loaded, tok, workload: str | None, n_prompts: int, tokens: int, progress=None) -> list:
+def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spec: dict, costs,
+                  emulation: dict | None, tokens: int, progress=None, fetch_threads: int | None = None) -> list:
+    """(n_tokens, n_missing, n_resident, seconds) of every verification pass of real S²-MoE decoding
+    (reuse-aware gating on) at a budget, draft caps cycling 1..cap so every batch size occurs."""
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.methods import SpecSettings, get_method
-    from s2moe.runtime.profile import model_fingerprint
     from s2moe.runtime.speculative import SpeculativeDecoder
 
-    from .profile_cmd import _workload_tokens
-
-    _, heldout, _ = _workload_tokens(tok, workload)
-    prompts = heldout[:n_prompts]
-    same_model = profile.data["model"]["fingerprint"] == model_fingerprint(loaded)
-    emu = (profile.data.get("offload") or {}).get("emulation") or {}
-    spec = profile.speculative
-    engine = build_engine(loaded.path, profile.budget_spec, 4096, profile.hot_experts if same_model else None,
-                          emulate_bandwidth=emu.get("bandwidth_mb_s"), emulate_latency=emu.get("latency_us") or 0.0,
-                          loaded=loaded)
+    emulation = emulation or {}
+    engine = build_engine(loaded.path, budget, 4096, hot, emulate_bandwidth=emulation.get("bandwidth_mb_s"),
+                          emulate_latency=emulation.get("latency_us") or 0.0, loaded=loaded, fetch_threads=fetch_threads)
     samples = []
     for i, ids in enumerate(prompts):
-        cap = 1 + i % spec["draft_cap"]  # every batch size from 2 to cap + 1
-        settings = SpecSettings(draft_topk=spec["draft_topk"], draft_cap=cap, reuse_cap=spec["reuse_cap"],
-                                utility_threshold=0.0)
-        dec = SpeculativeDecoder(engine.model, get_method("s2moe"), settings, profile.costs)
+        settings = SpecSettings(draft_topk=spec["draft_topk"], draft_cap=1 + i % spec["draft_cap"],
+                                reuse_cap=spec["reuse_cap"], utility_threshold=0.0, backoff=False)
+        dec = SpeculativeDecoder(engine.model, get_method("s2moe"), settings, costs)
         samples.extend(dec.generate(ids, tokens).metrics.verify_samples)
         if progress:
             progress()
     engine.close()
     return samples
+
+
+def measured_passes(profile, loaded, tok, workload: str | None, n_prompts: int, tokens: int, progress=None) -> list:
+    """Verification passes on the held-out half of the workload (profile fits on the other half)."""
+    from s2moe.runtime.profile import model_fingerprint
+
+    from .profile_cmd import _workload_tokens
+
+    _, heldout, _ = _workload_tokens(tok, workload)
+    same_model = profile.data["model"]["fingerprint"] == model_fingerprint(loaded)
+    offload = profile.data.get("offload") or {}
+    return decode_passes(loaded, heldout[:n_prompts], profile.budget_spec, profile.hot_experts if same_model else None,
+                         profile.speculative, profile.costs, offload.get("emulation"), tokens, progress,
+                         offload.get("fetch_threads"))
 
 
 def evaluate(profile, samples: list) -> dict:

@@ -79,6 +79,7 @@ def build_engine(
     emulate_latency: float = 0.0,
     direct_io: bool = True,
     loaded: LoadedModel | None = None,
+    fetch_threads: int | None = None,
 ) -> Engine:
     loaded = loaded or load_model(model_path)
     parsed = Budget.parse(budget)
@@ -88,7 +89,8 @@ def build_engine(
     if emulate_latency < 0:
         raise UsageError(f"--emulate-latency must be >= 0 µs (got {emulate_latency})")
     emulation = Emulation(emulate_bandwidth, emulate_latency)
-    store = ExpertStore(loaded, direct=direct_io, emulation=emulation)
+    store = ExpertStore(loaded, direct=direct_io, emulation=emulation,
+                        **({"threads": fetch_threads} if fetch_threads else {}))
     full = plan.expert_capacity >= plan.expert_total
     hot = read_hot_experts(hot_experts, loaded) if isinstance(hot_experts, str) else list(hot_experts or [])
     size = lambda key: loaded.experts[key].resident_bytes  # noqa: E731

@@ -19,6 +19,7 @@ import numpy as np
 
 from .cost_model import CostConstants
 from .engine import phase_of
+from .generate import GenerationResult
 from .gating import ReuseGating
 from .kv_cache import KVCache
 from .methods import MethodSpec, SpecSettings
@@ -42,30 +43,14 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)  # q(d_i) of each draft token
     dists: list[np.ndarray | None] = field(default_factory=list)  # q(·) it was sampled from
-    parents: list[int] = field(default_factory=list)  # batch index of each token's parent (root = 0)
 
 
 @dataclass
-class SpecResult:
-    prompt_tokens: list[int]
-    tokens: list[int]
-    prefill_seconds: float
-    decode_seconds: float
-    stop_reason: str
-    metrics: SpecMetrics
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = max(len(self.tokens) - 1, 0)
-        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+class SpecResult(GenerationResult):
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
 
     def stats(self) -> dict:
-        return {
-            "prompt_tokens": len(self.prompt_tokens), "generated_tokens": len(self.tokens),
-            "prefill_ms": round(self.prefill_seconds * 1e3, 3), "decode_seconds": round(self.decode_seconds, 6),
-            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3), "stop_reason": self.stop_reason,
-            **self.metrics.to_dict(len(self.tokens)),
-        }
+        return {**super().stats(), **self.metrics.to_dict(len(self.tokens))}
 
 
 class SpeculativeDecoder:
@@ -338,4 +323,4 @@ class SpeculativeDecoder:
         kv.rollback(min(kv.length, len(prompt) + len(out) - 1))
         self.kv = kv  # kept for inspection (tests compare it with a fresh prefill)
         reason = "eos" if out and out[-1] in stop else "max_tokens"
-        return SpecResult(prompt, out, prefill, decode, reason, self.metrics)
+        return SpecResult(prompt, out, prefill, decode, reason, metrics=self.metrics)
