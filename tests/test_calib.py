@@ -135,7 +135,7 @@ def test_interrupted_profile_leaves_existing_profile_untouched(calib_model, tmp_
     monkeypatch.setattr(measure, "verification_samples", boom)
     data = profile_cmd.run_profile(calib_model, "cpu", None, WORKLOAD, str(target), None, 12, None, 0.0, 1, 4,
                                    resume=True)
-    assert data["cost_model"]["fit"]["n"] == 12
+    assert data["cost_model"]["fit"]["n_controlled"] == 12  # the interrupted run's 12, not re-measured
 
 
 def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
