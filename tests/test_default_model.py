@@ -66,10 +66,23 @@ def test_gguf_export_matches_safetensors(default, tmp_path):
         assert generate_ar(a, ids, 24).tokens == generate_ar(b, ids, 24).tokens
 
 
-def test_run_without_model_prints_python_like_text():
+def _run(*extra):
     r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "run", "--prompt", "def fibonacci(n):",
-                        "--max-tokens", "40", "--method", "ar"], capture_output=True, text=True, timeout=300)
+                        "--max-tokens", "48", *extra], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    text = r.stdout
+    return r.stdout
+
+
+def test_run_with_defaults_prints_python_like_text():
+    """Defaults only: S²-MoE with the model's sampling settings (generation_config.json). Which
+    tokens it drafts depends on timings, so only the shape is checked here."""
+    text = _run()
     assert sum(ch.isascii() for ch in text) / max(len(text), 1) > 0.95
-    assert any(word in text for word in ("return", "if ", " = ", "for ", "(n"))
+    assert text.startswith("\n    ")  # the function's body, indented
+
+
+@pytest.mark.parametrize("seed", ["0", "1", "2"])
+def test_sampled_text_is_python_like(seed):
+    text = _run("--method", "ar", "--seed", seed)  # AR + seed: the same text every run
+    assert text.startswith("\n    ")
+    assert any(word in text for word in ('"""', "return", "if ", " = ", "self", "def "))
