@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from s2moe.runtime.cache import POLICIES
+from s2moe.runtime.cache import ExpertCache
 
 Trace = list[list[tuple[int, list[int]]]]  # per token: [(layer, experts)]
 
@@ -46,36 +46,34 @@ def coverage(trace: Trace, hot: set) -> float:
     return hit / total if total else 0.0
 
 
+class _Sized:
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+class _SizesOnly:
+    """A stand-in store for simulation: the cache needs only each expert's size."""
+
+    def __init__(self, sizes: dict):
+        self.sizes = sizes
+
+    def read_many(self, layer: int, experts: list[int]) -> list[_Sized]:
+        return [_Sized(self.sizes[layer, e]) for e in experts]
+
+    def stored_bytes(self, layer: int, expert: int) -> int:
+        return 0
+
+
 def simulate_hit_rate(trace: Trace, sizes: dict, capacity: int, policy: str, pinned=()) -> float:
-    """Hit rate of the runtime's own replacement policy on a trace (no reads: sizes only)."""
-    pol = POLICIES[policy]()
-    pinned = set(pinned)
-    held, used = set(pinned), sum(sizes[k] for k in pinned)
-    hits = total = 0
-    for token in trace:
-        for L, experts in token:
-            protected = {(L, e) for e in experts}
-            for e in experts:
-                key = (L, e)
-                total += 1
-                if key in held:
-                    hits += 1
-                    if key not in pinned:
-                        pol.touch(key)
-                    continue
-                pol.access(key)
-                while used + sizes[key] > capacity:
-                    victim = pol.victim(protected | pinned)
-                    if victim is None or not pol.admit(key, victim):
-                        break
-                    pol.remove(victim)
-                    held.discard(victim)
-                    used -= sizes[victim]
-                if used + sizes[key] <= capacity:
-                    held.add(key)
-                    used += sizes[key]
-                    pol.insert(key)
-    return hits / total if total else 0.0
+    """Hit rate of the runtime's own expert cache (policy, admission, protection) on a trace,
+    without reading anything: the cache runs over a store stand-in that only knows sizes."""
+    cache = ExpertCache(_SizesOnly(sizes), capacity, policy, list(pinned), sizes.__getitem__)
+    with cache.in_phase("simulate"):
+        for token in trace:
+            for L, experts in token:
+                cache.get(L, experts)
+    s = cache.stats["simulate"]
+    return s.hits / (s.hits + s.misses) if s.hits + s.misses else 0.0
 
 
 def plan_residency(profile_trace: Trace, heldout_trace: Trace, sizes: dict, capacity: int) -> dict:

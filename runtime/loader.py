@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Callable
 
 import numpy as np

@@ -9,7 +9,6 @@ import csv
 import io
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys

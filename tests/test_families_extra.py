@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tiny_models as tm
+from helpers import gguf_logits
 from s2moe.runtime.formats.gguf_writer import write_gguf
 from s2moe.runtime.formats.mxfp4 import dequantize_ggml, dequantize_hf
 from s2moe.runtime.loader import load_model
@@ -127,12 +128,6 @@ def test_expert_bytes_shared_experts_and_kv(extra_dirs, family):
         assert kv.keys[0].shape == (1, 10, c.kv_lora_rank) and kv.values[0].shape == (1, 10, c.qk_rope_head_dim)
 
 
-def _gguf_logits(path, ids):
-    model = MoEModel(load_model(path))
-    logits, _ = model.forward(ids, model.new_cache(len(ids)))
-    return logits
-
-
 @pytest.mark.parametrize("split", [False, True], ids=["merged", "split"])
 @pytest.mark.parametrize("family", tm.EXTRA_FAMILIES)
 def test_f32_gguf_matches_transformers(extra_dirs, tmp_path, family, split, rng):
@@ -144,7 +139,7 @@ def test_f32_gguf_matches_transformers(extra_dirs, tmp_path, family, split, rng)
     assert g.format == "gguf" and g.expert_layout == ("split" if split else "merged")
     assert g.config == loaded.config
     ids = rng.integers(0, 380, 28)
-    np.testing.assert_allclose(_gguf_logits(path, ids), tm.torch_logits(torch_model, ids), atol=TOL, rtol=0)
+    np.testing.assert_allclose(gguf_logits(path, ids), tm.torch_logits(torch_model, ids), atol=TOL, rtol=0)
 
 
 def test_deepseek_v3_rope_on_halves(tmp_path, rng):
@@ -230,7 +225,7 @@ def test_mxfp4_gguf_experts_match_dequantised_torch(extra_dirs, tmp_path, rng):
             down = ex.down_proj.numpy()  # [E, I, H]; GGUF [E, H, I]: quantised along I
             ex.down_proj.copy_(torch.from_numpy(_mxfp4_roundtrip(down.transpose(0, 2, 1)).transpose(0, 2, 1).copy()))
     ids = rng.integers(0, 380, 28)
-    np.testing.assert_allclose(_gguf_logits(path, ids), tm.torch_logits(reference, ids), atol=TOL, rtol=0)
+    np.testing.assert_allclose(gguf_logits(path, ids), tm.torch_logits(reference, ids), atol=TOL, rtol=0)
 
 
 def _mxfp4_folder(torch_model, folder, dst, rng):

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import tiny_models as tm
+from helpers import gguf_logits
 from s2moe.runtime.store import ExpertStore
 from s2moe.runtime.formats.gguf_writer import write_gguf
 from s2moe.runtime.loader import load_model
-from s2moe.runtime.model import MoEModel
 from s2moe.runtime.tokenizer import load_tokenizer
 
 
@@ -43,12 +43,6 @@ def _roundtrip_reference(torch_model, kind: str):
     return ref
 
 
-def _gguf_logits(path, ids):
-    model = MoEModel(load_model(path))
-    logits, _ = model.forward(ids, model.new_cache(len(ids)))
-    return logits
-
-
 @pytest.mark.parametrize("split", [False, True], ids=["merged", "split"])
 @pytest.mark.parametrize("family", tm.FAMILIES)
 def test_f32_gguf_matches_transformers(tiny_model_dirs, tmp_path, family, split, rng):
@@ -60,7 +54,7 @@ def test_f32_gguf_matches_transformers(tiny_model_dirs, tmp_path, family, split,
     assert g.format == "gguf" and g.expert_layout == ("split" if split else "merged")
     assert g.config == loaded.config
     ids = rng.integers(0, 380, 16)
-    np.testing.assert_allclose(_gguf_logits(path, ids), tm.torch_logits(torch_model, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(gguf_logits(path, ids), tm.torch_logits(torch_model, ids), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["F16", "Q8_0", "Q4_0"])
@@ -72,7 +66,7 @@ def test_lossy_gguf_matches_gguf_dequantisation(tiny_model_dirs, tmp_path, famil
     write_gguf(loaded, path, ExpertStore(loaded).read, kind)
     ids = rng.integers(0, 380, 16)
     expected = tm.torch_logits(_roundtrip_reference(torch_model, kind), ids)
-    np.testing.assert_allclose(_gguf_logits(path, ids), expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(gguf_logits(path, ids), expected, atol=1e-4, rtol=0)
 
 
 def _random_q4k_blocks(rng, rows: int, cols: int) -> np.ndarray:
@@ -109,7 +103,7 @@ def test_q4k_experts_match_gguf_dequantisation(tmp_path, rng):
     g = load_model(path)
     assert g.experts[0, 1].gate.dtype == "Q4_K" and g.experts[0, 1].gate.nbytes == I * H // 256 * 144
     ids = rng.integers(0, 380, 12)
-    np.testing.assert_allclose(_gguf_logits(path, ids), tm.torch_logits(torch_model, ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(gguf_logits(path, ids), tm.torch_logits(torch_model, ids), atol=1e-4, rtol=0)
 
 
 def test_gguf_tokenizer_round_trips(tiny_model_dirs, tmp_path):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from helpers import assert_kv_is_fresh_prefill
 
 from s2moe.runtime.cost_model import CostConstants
 from s2moe.runtime.engine import build_engine
@@ -43,13 +44,7 @@ def test_committed_kv_equals_fresh_prefill(tiny_model_dirs, prompt, budget, meth
     from s2moe.runtime.sampling import SamplingParams
 
     engine = build_engine(tiny_model_dirs["olmoe"][1], budget)
-    dec = SpeculativeDecoder(engine.model, get_method(method, reuse_gating=False), SpecSettings(draft_topk=1, draft_cap=5), cost,
-                             SamplingParams(temperature=temperature, seed=seed))
+    dec = SpeculativeDecoder(engine.model, get_method(method, reuse_gating=False),
+                             SpecSettings(draft_topk=1, draft_cap=5), cost, SamplingParams(temperature=temperature, seed=seed))
     tokens = dec.generate(prompt, n).tokens
-    text = list(prompt) + tokens[:-1]
-    assert dec.kv.length == len(text)
-    fresh = engine.model.new_cache(len(text))
-    engine.model.forward(text, fresh, record=False)
-    for L in range(engine.model.config.num_layers):
-        np.testing.assert_allclose(dec.kv.keys[L][:, :len(text)], fresh.keys[L], atol=1e-5)
-        np.testing.assert_allclose(dec.kv.values[L][:, :len(text)], fresh.values[L], atol=1e-5)
+    assert_kv_is_fresh_prefill(engine.model, dec.kv, prompt, tokens)

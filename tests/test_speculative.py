@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from helpers import assert_kv_is_fresh_prefill
+
 from s2moe.runtime.cost_model import CostConstants
 from s2moe.runtime.engine import build_engine
 from s2moe.runtime.gating import ReuseGating
@@ -55,14 +57,8 @@ def test_committed_kv_equals_fresh_prefill(tiny_model_dirs, name):
     engine = build_engine(tiny_model_dirs["olmoe"][1], "0.5")
     dec = SpeculativeDecoder(engine.model, get_method(name), SpecSettings(draft_topk=1, draft_cap=5), EAGER)
     prompt = _prompts(1, seed=9)[0]
-    result = dec.generate(prompt, 23)
-    text = prompt + result.tokens[:-1]  # the last token is pending (not in KV yet)
-    assert dec.kv.length == len(text)
-    fresh = engine.model.new_cache(len(text))
-    engine.model.forward(text, fresh, record=False)
-    for L in range(engine.model.config.num_layers):
-        np.testing.assert_allclose(dec.kv.keys[L][:, :len(text)], fresh.keys[L], atol=1e-5)
-        np.testing.assert_allclose(dec.kv.values[L][:, :len(text)], fresh.values[L], atol=1e-5)
+    tokens = dec.generate(prompt, 23).tokens
+    assert_kv_is_fresh_prefill(engine.model, dec.kv, prompt, tokens)
 
 
 def test_stochastic_verification_preserves_the_target_distribution(tiny_model_dirs):

@@ -165,7 +165,7 @@ def render(card: dict, record: dict | None) -> str:
     lines += ["## Held-out quality", "", "| metric | model | unigram baseline |", "|---|---|---|",
               f"| cross-entropy (nats/token) | {card['heldout_loss_nats']} | {card['unigram_loss_nats']} |",
               f"| perplexity | {card['heldout_perplexity']} | {card['unigram_perplexity']} |",
-              f"", f"Evaluated on {card['evaluated_tokens']} held-out tokens.", "",
+              "", f"Evaluated on {card['evaluated_tokens']} held-out tokens.", "",
               "## Routing", "",
               "| layer | top-25% expert share | router entropy (nats) | usage entropy (nats) | uniform (nats) |",
               "|---|---|---|---|---|"]
