@@ -1,0 +1,85 @@
+"""The one prepared GPU check: run the GPU tests, then time the csrc kernels against NumPy.
+
+    pip install -e ".[dev,cuda]" && python benchmarks/gpu.py [--out docs/results/gpu]
+
+Needs CuPy and a CUDA device; without them it says so and exits 2. What it measures today: the
+router top-k and fused reuse-aware gating kernels (one layer's routing for a decode batch and for
+a verification batch) vs the NumPy reference, medians over repetitions with CUDA events. The CuPy
+model backend (`--backend cupy`, device-resident expert cache) is not written yet, so AR and
+S²-MoE tokens/s on a GPU are not reported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--out", default="docs/results/gpu")
+    args = ap.parse_args()
+    try:
+        import cupy as cp
+
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # ImportError, or CUDARuntimeError without a driver
+        print(f"error: needs CuPy and a CUDA device ({exc.__class__.__name__}); run it on a GPU machine after "
+              "pip install -e '.[dev,cuda]'", file=sys.stderr)
+        sys.exit(2)
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu", "tests/test_csrc.py"], cwd=ROOT)
+    from s2moe.runtime.cuda_kernels import reuse_gating, router_topk
+    from s2moe.runtime.gating import ReuseGating
+    from s2moe.runtime.routing import route
+
+    rng = np.random.default_rng(0)
+    records = []
+    for name, B, E, k in (("decode batch 1", 1, 64, 8), ("verification batch 9", 9, 64, 8),
+                          ("prefill 512", 512, 128, 8)):
+        logits = rng.normal(size=(B, E)).astype(np.float32)
+        dev = cp.asarray(logits)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        gpu, cpu = [], []
+        for _ in range(args.reps):
+            start.record()
+            router_topk(dev, k, "softmax_topk", False)
+            end.record()
+            end.synchronize()
+            gpu.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+            t0 = time.perf_counter()
+            route(logits, k, "softmax_topk", False)
+            cpu.append((time.perf_counter() - t0) * 1e6)
+        records += [Record("gpu", f"router top-k kernel, {name}", "µs", gpu, {"B": B, "E": E, "k": k}),
+                    Record("gpu", f"router top-k NumPy, {name}", "µs", cpu, {"B": B, "E": E, "k": k})]
+        if B <= 64:
+            conf = rng.uniform(0.1, 1, B).astype(np.float32)
+            gpu = []
+            for _ in range(args.reps):
+                start.record()
+                reuse_gating(dev, k, 2 * k, "paper", 1.0, "softmax_topk", False, cp.asarray(conf))
+                end.record()
+                end.synchronize()
+                gpu.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+            t0 = time.perf_counter()
+            for _ in range(args.reps):
+                route(logits, k, "softmax_topk", False, ReuseGating(k, 2 * k, "paper", 1.0, conf).bias(0, logits))
+            cpu = [(time.perf_counter() - t0) / args.reps * 1e6]
+            records += [Record("gpu", f"fused reuse gating kernel, {name}", "µs", gpu, {"B": B, "E": E, "k": k}),
+                        Record("gpu", f"reuse gating NumPy, {name}", "µs", cpu, {"B": B, "E": E, "k": k})]
+    write_outputs(records, machine_info(), args.out, "csrc kernels on the GPU")
+    sys.exit(tests.returncode)
+
+
+if __name__ == "__main__":
+    main()
