@@ -96,5 +96,6 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         ))
     base = throughput.get("ar")
     for r in records:
+        r.extra["decode_tokens_per_s"] = {"median": r.median, "samples": r.samples}
         r.extra["speedup_vs_ar"] = r.extra["decode_tokens_per_s_aggregate"] / base if base else None
     return records

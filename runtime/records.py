@@ -69,8 +69,12 @@ class Record:
         return statistics.median(self.samples) if self.samples else float("nan")
 
     def to_dict(self) -> dict:
+        """The record with its params and extra also flat at the top level (a reader can ask for
+        ``record["method"]`` or ``record["speedup_vs_ar"]`` without knowing the nesting)."""
         d = asdict(self)
         d["median"] = self.median
+        for key, value in {**self.params, **self.extra}.items():
+            d.setdefault(key, value)
         return d
 
 

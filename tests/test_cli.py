@@ -128,3 +128,23 @@ def test_missing_model_and_bad_flag(tmp_path):
     assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
     r = s2moe("run", "--model", str(tmp_path), "--prompt", "x", "--top-p", "0")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
+    _, folder, _ = tiny_model_dirs["olmoe"]
+    out = tmp_path / "bench.json"
+    workload = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
+    r = s2moe("bench", "-m", folder, "-w", workload, "--methods", "s2moe,ar,ca", "--budget", "0.5",
+              "--n-prompts", "3", "--max-tokens", "6", "--json", str(out), "--csv", str(tmp_path / "b.csv"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert {"cpu_model", "cpu_cores"} <= set(data["machine"])
+    records = data["records"]
+    assert [rec["method"] for rec in records] == ["ar", "s2moe", "ca"]  # AR first: the denominator
+    for rec in records:
+        for key in ("method", "workload", "budget", "n_prompts", "decode_tokens_per_s", "speedup_vs_ar",
+                    "acceptance_length", "reuse_ratio", "bytes_fetched_per_token", "commit"):
+            assert key in rec, key
+        assert len(rec["decode_tokens_per_s"]["samples"]) == 3 and rec["budget"] == "0.5"
+    assert records[0]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert (tmp_path / "b.csv").read_text().count("\n") == 4

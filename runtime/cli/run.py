@@ -73,13 +73,23 @@ def run(
         result = decoder.generate(ids, max_tokens, loaded.config.eos_token_ids, on_token=stream.push if stream else None)
         engine.close()
         text = tok.decode(result.tokens)
-        stats = {**result.stats(), "method": spec.name, "draft_topk": settings.draft_topk,
+        stats = {**result.stats(), **_per_token(engine.report(), len(result.tokens)), "method": spec.name,
+                 "draft_topk": settings.draft_topk,
                  "cost_constants": costs.to_dict() if costs else None, "offload": engine.report()}
         if json_out:
             print_json({"text": text, "prompt_tokens": ids, "tokens": result.tokens, "stats": stats})
             return
         stream.finish()
         print_summary(stats)
+
+
+def _per_token(report: dict, generated: int) -> dict:
+    """Distinct experts touched and bytes fetched per generated token, decode phases only."""
+    phases = [p for name, p in report["cache"]["phases"].items() if name in ("ar", "draft", "verify")]
+    n = max(generated - 1, 1)  # the first token comes from the prefill
+    unique = sum((p["unique_experts_per_pass"] or 0) * p["passes"] for p in phases)
+    return {"unique_experts_per_token": round(unique / n, 3),
+            "bytes_fetched_per_token": round(sum(p["bytes_read"] for p in phases) / n, 1)}
 
 
 def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed):
