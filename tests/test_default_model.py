@@ -55,6 +55,10 @@ def test_gguf_export_matches_safetensors(default, tmp_path):
     assert r.returncode == 0, r.stderr
     gguf = load_model(str(out))
     assert gguf.config == default.config
+    from s2moe.runtime.cli.run import sampling_defaults
+
+    sampled = sampling_defaults(default, None, None, None, 0.0, 0)
+    assert sampled.temperature > 0 and sampling_defaults(gguf, None, None, None, 0.0, 0) == sampled
     tok = load_tokenizer(default)
     assert load_tokenizer(gguf).encode("def f(x):\n    return x").ids == tok.encode("def f(x):\n    return x").ids
     a, b = MoEModel(default), MoEModel(gguf)
