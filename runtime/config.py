@@ -236,14 +236,14 @@ def rope_from_gguf(meta: ConfigReader, arch: str) -> dict[str, Any]:
         raise UnsupportedModelError(f"{meta.source}: rope scaling {kind!r} is not supported yet (only YaRN)")
     out: dict[str, Any] = dict(
         rope_type="yarn",
-        rope_factor=_from_f32(meta.get(f"{a}.rope.scaling.factor", kind=float)),
+        rope_factor=from_f32(meta.get(f"{a}.rope.scaling.factor", kind=float)),
         rope_original_max_position=meta.get(f"{a}.rope.scaling.original_context_length"),
     )
     for key, name in (("yarn_beta_fast", "rope_beta_fast"), ("yarn_beta_slow", "rope_beta_slow"),
                       ("attn_factor", "rope_attention_factor")):
         value = meta.get(f"{a}.rope.scaling.{key}", default=None, kind=float)
         if value is not None:
-            out[name] = _from_f32(value)
+            out[name] = from_f32(value)
     return out
 
 
@@ -279,7 +279,7 @@ def common_hf_fields(cfg: ConfigReader) -> dict[str, Any]:
     )
 
 
-def _from_f32(value: float) -> float:
+def from_f32(value: float) -> float:
     """GGUF stores float32: 1e-5 comes back as 9.99999975e-06; take its shortest float32 spelling."""
     import numpy as np
 
@@ -300,8 +300,8 @@ def common_gguf_fields(meta: ConfigReader, arch: str) -> dict[str, Any]:
         head_dim=meta.get(f"{a}.attention.key_length", default=None) or hidden // heads,
         num_experts=meta.get(f"{a}.expert_count"),
         top_k=meta.get(f"{a}.expert_used_count"),
-        rms_norm_eps=_from_f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", default=1e-5, kind=float)),
-        rope_theta=_from_f32(meta.get(f"{a}.rope.freq_base", default=10000.0, kind=float)),
+        rms_norm_eps=from_f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", default=1e-5, kind=float)),
+        rope_theta=from_f32(meta.get(f"{a}.rope.freq_base", default=10000.0, kind=float)),
         **rope_from_gguf(meta, a),
         max_position_embeddings=meta.get(f"{a}.context_length", default=4096),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id", default=None),

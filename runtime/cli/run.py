@@ -111,9 +111,12 @@ def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed):
         except (OSError, ValueError):
             pass
     elif loaded.gguf is not None:
+        from ..config import from_f32
+
         meta = loaded.gguf.metadata
-        defaults = {k: meta[f"general.sampling.{g}"] for k, g in (("temperature", "temp"), ("top_k", "top_k"),
-                                                                  ("top_p", "top_p")) if f"general.sampling.{g}" in meta}
+        defaults = {k: from_f32(meta[f"general.sampling.{g}"]) for k, g in (("temperature", "temp"), ("top_k", "top_k"),
+                                                                            ("top_p", "top_p"))
+                    if f"general.sampling.{g}" in meta}
     pick = lambda flag, key, off: flag if flag is not None else defaults.get(key, off)  # noqa: E731
     return SamplingParams(float(pick(temperature, "temperature", 0.0)), int(pick(top_k, "top_k", 0)),
                           float(pick(top_p, "top_p", 1.0)), min_p, seed)

@@ -17,7 +17,7 @@
 
 from __future__ import annotations
 
-from ..config import ConfigReader, ModelConfig, _from_f32, common_gguf_fields, common_hf_fields
+from ..config import ConfigReader, ModelConfig, from_f32, common_gguf_fields, common_hf_fields
 from ..errors import UnsupportedModelError
 
 NAME = "deepseek_v2"
@@ -114,7 +114,7 @@ def config_from_gguf(meta: ConfigReader, arch: str) -> ModelConfig:
         v_head_dim=meta.get(f"{a}.attention.value_length_mla", f"{a}.attention.value_length"),
         rope_interleave=True,
         shared_expert_intermediate_size=expert_width * shared if shared else None,
-        routed_scaling_factor=_from_f32(meta.get(f"{a}.expert_weights_scale", default=1.0, kind=float)),
+        routed_scaling_factor=from_f32(meta.get(f"{a}.expert_weights_scale", default=1.0, kind=float)),
         expert_groups=groups or None,
         expert_groups_used=used or None,
         router_score_bias=v3,
