@@ -148,3 +148,14 @@ def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
         assert len(rec["decode_tokens_per_s"]["samples"]) == 3 and rec["budget"] == "0.5"
     assert records[0]["speedup_vs_ar"] == pytest.approx(1.0)
     assert (tmp_path / "b.csv").read_text().count("\n") == 4
+
+
+def test_runtime_never_imports_torch_or_transformers():
+    code = ("import sys\nfrom s2moe.runtime.cli import app\nimport s2moe.calib.cli\n"
+            "from typer.testing import CliRunner\n"
+            "r = CliRunner().invoke(app, ['run', '--prompt', 'def f(x):', '-n', '4', '--seed', '0'])\n"
+            "assert r.exit_code == 0, r.output\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
