@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from helpers import gguf_logits
+from helpers import assert_f32_gguf_matches, gguf_logits
 from s2moe.runtime.formats.gguf_writer import write_gguf
 from s2moe.runtime.formats.mxfp4 import dequantize_ggml, dequantize_hf
 from s2moe.runtime.loader import load_model
@@ -132,14 +132,7 @@ def test_expert_bytes_shared_experts_and_kv(extra_dirs, family):
 @pytest.mark.parametrize("family", tm.EXTRA_FAMILIES)
 def test_f32_gguf_matches_transformers(extra_dirs, tmp_path, family, split, rng):
     torch_model, folder, _ = extra_dirs[family]
-    loaded = load_model(folder)
-    path = str(tmp_path / "m.gguf")
-    write_gguf(loaded, path, ExpertStore(loaded).read, "F32", split_experts=split)
-    g = load_model(path)
-    assert g.format == "gguf" and g.expert_layout == ("split" if split else "merged")
-    assert g.config == loaded.config
-    ids = rng.integers(0, 380, 28)
-    np.testing.assert_allclose(gguf_logits(path, ids), tm.torch_logits(torch_model, ids), atol=TOL, rtol=0)
+    assert_f32_gguf_matches(torch_model, folder, tmp_path / "m.gguf", split, rng.integers(0, 380, 28), TOL)
 
 
 def test_deepseek_v3_rope_on_halves(tmp_path, rng):

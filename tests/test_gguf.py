@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from helpers import gguf_logits
+from helpers import assert_f32_gguf_matches, gguf_logits
 from s2moe.runtime.store import ExpertStore
 from s2moe.runtime.formats.gguf_writer import write_gguf
 from s2moe.runtime.loader import load_model
@@ -47,14 +47,7 @@ def _roundtrip_reference(torch_model, kind: str):
 @pytest.mark.parametrize("family", tm.FAMILIES)
 def test_f32_gguf_matches_transformers(tiny_model_dirs, tmp_path, family, split, rng):
     torch_model, folder, _ = tiny_model_dirs[family]
-    loaded = load_model(folder)
-    path = str(tmp_path / "m.gguf")
-    write_gguf(loaded, path, ExpertStore(loaded).read, "F32", split_experts=split)
-    g = load_model(path)
-    assert g.format == "gguf" and g.expert_layout == ("split" if split else "merged")
-    assert g.config == loaded.config
-    ids = rng.integers(0, 380, 16)
-    np.testing.assert_allclose(gguf_logits(path, ids), tm.torch_logits(torch_model, ids), atol=1e-4, rtol=0)
+    assert_f32_gguf_matches(torch_model, folder, tmp_path / "m.gguf", split, rng.integers(0, 380, 16), 1e-4)
 
 
 @pytest.mark.parametrize("kind", ["F16", "Q8_0", "Q4_0"])
