@@ -47,10 +47,15 @@ def _c(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+def _input_major(w: np.ndarray) -> np.ndarray:
+    """[out, in] with ``w.T`` C-contiguous: what ``h @ w.T`` wants (see loader.LINEAR)."""
+    return np.asfortranarray(w, dtype=np.float32)
+
+
 def assemble(layout: str, parts: Mapping[str, np.ndarray]) -> ExpertWeights:
     if layout == "split":
-        return ExpertWeights(parts["gate"], parts["up"], parts["down"], parts.get("gate_bias"),
-                             parts.get("up_bias"), parts.get("down_bias"))
+        return ExpertWeights(_input_major(parts["gate"]), _input_major(parts["up"]), _input_major(parts["down"]),
+                             parts.get("gate_bias"), parts.get("up_bias"), parts.get("down_bias"))
     if layout == "interleaved":
         gate_up, down = parts["gate_up"].T, parts["down"].T  # [2I, H], [H, I]
     elif layout == "interleaved_mxfp4":
@@ -60,7 +65,7 @@ def assemble(layout: str, parts: Mapping[str, np.ndarray]) -> ExpertWeights:
         raise ValueError(f"unknown expert layout {layout!r}")
     bias = parts.get("gate_up_bias")
     return ExpertWeights(
-        _c(gate_up[0::2]), _c(gate_up[1::2]), _c(down),
+        _input_major(gate_up[0::2]), _input_major(gate_up[1::2]), _input_major(down),
         None if bias is None else _c(bias[0::2]), None if bias is None else _c(bias[1::2]),
         None if parts.get("down_bias") is None else _c(parts["down_bias"]),
     )

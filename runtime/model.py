@@ -191,7 +191,8 @@ class MoEModel:
         with self.split.part("lm_head"):
             if logits == "last":
                 h = h[-1:]
-            out = rms_norm(h, W["norm"], c.rms_norm_eps) @ W["lm_head"].T
+            # [V, H] @ [H, T] streams the head once: 2–3× faster than h @ W.T for 2–16 tokens
+            out = np.ascontiguousarray((W["lm_head"] @ rms_norm(h, W["norm"], c.rms_norm_eps).T).T)
         if end:
             end()
         return out, rec

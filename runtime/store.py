@@ -193,7 +193,7 @@ class ExpertStore:
             raw = self._read_range(span, where)
             # decode copies out of the (reused) aligned buffer before this thread reads again
             for i, ref in members:
-                arrays[i] = decode(ref, raw[ref.offset - span.offset: ref.offset - span.offset + ref.nbytes])
+                arrays[i] = decode(ref, raw[ref.offset - span.offset: ref.offset - span.offset + ref.nbytes], order="F")
         for path in {r.path for r in refs.refs}:
             self._check_unchanged(path, where)
         if self.emulation.active:  # the real read happened; now wait out the emulated link

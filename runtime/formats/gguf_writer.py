@@ -71,6 +71,7 @@ def _encode(name: str, w: np.ndarray, kind: str):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
+    w = np.ascontiguousarray(w)  # the runtime keeps linear weights input-major (Fortran order)
     if w.ndim == 1 or "ffn_gate_inp" in name or "norm" in name or name.endswith(".bias") or "sinks" in name:
         return w.astype(np.float32), None
     if kind == "F32":

@@ -75,8 +75,11 @@ class TensorRef:
         )
 
 
-def decode(ref: TensorRef, raw: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
-    """Bytes of ``ref`` → float32 array of ``ref.shape`` (dequantising GGML blocks); U8 → a uint8 copy."""
+def decode(ref: TensorRef, raw: bytes | bytearray | memoryview | np.ndarray, order: str = "C") -> np.ndarray:
+    """Bytes of ``ref`` → float32 array of ``ref.shape`` (dequantising GGML blocks); U8 → a uint8 copy.
+
+    ``order="F"`` returns a 2-D float matrix input-major (Fortran order): plain types convert
+    straight into that layout at the cost of a C conversion."""
     buf = np.frombuffer(raw, dtype=np.uint8, count=ref.nbytes)
     if ref.dtype == "U8":  # a copy: the expert store reuses its read buffer
         out = buf.copy()
@@ -84,14 +87,18 @@ def decode(ref: TensorRef, raw: bytes | bytearray | memoryview | np.ndarray) -> 
         wide = buf.view("<u2").astype(np.uint32) << 16
         out = wide.view(np.float32)
     elif ref.dtype in PLAIN_DTYPES:
-        out = buf.view(PLAIN_DTYPES[ref.dtype]).astype(np.float32)
+        plain = buf.view(PLAIN_DTYPES[ref.dtype])
+        if order == "F" and len(ref.shape) == 2 and plain.size == ref.n_elements:
+            return plain.reshape(ref.shape).astype(np.float32, order="F")
+        out = plain.astype(np.float32)
     else:
         out = _dequantize_ggml(ref, buf)
     if out.size != ref.n_elements:
         raise ModelFormatError(
             f"{ref.path}: tensor {ref.name} holds {out.size} values, its shape {list(ref.shape)} needs {ref.n_elements}"
         )
-    return out.reshape(ref.shape)
+    out = out.reshape(ref.shape)
+    return np.asfortranarray(out) if order == "F" and out.ndim == 2 and ref.dtype != "U8" else out
 
 
 def _dequantize_ggml(ref: TensorRef, buf: np.ndarray) -> np.ndarray:
