@@ -30,12 +30,12 @@ def fit(
         try:
             with open(samples_path) as f:
                 data = json.load(f)
-            samples = data["verification"] + data.get("decode_verification", [])
+            controlled, decode = data["verification"], data.get("decode_verification") or []
         except FileNotFoundError:
             raise UsageError(f"{samples_path}: samples file not found") from None
         except (ValueError, KeyError, TypeError):
             raise UsageError(f"{samples_path}: no 'verification' samples; was it written by s2moe-calib profile?") from None
-        model, r2, mape = fit_cost_model(samples)
+        model, r2, mape = fit_cost_model(controlled, decode)
         ms = 1e3
         fitted = {"t_base_ms": model.intercept_ * ms, "t_token_ms": model.coef_[0] * ms,
                   "t_exp_miss_ms": model.coef_[1] * ms, "t_exp_hit_ms": model.coef_[2] * ms,

@@ -2,26 +2,29 @@
 
 - `offload_bandwidth`: raw requests through the expert store (O_DIRECT, emulation as configured)
   at several sizes around the expert size, fitted as latency = a + bytes / BW.
-- `verification_samples`: real verification passes over workload text with a controlled number of
-  distinct experts missing from / resident in the cache; the cost model is fitted on these.
+- `controlled_passes`: verification passes over workload text with a controlled number of distinct
+  experts missing from / resident in the cache, captured for `replay` to time; the cost model is
+  fitted on these and on captured passes of real decoding.
 - `decode_step_times`: AR decode steps at the budget (T_AR) and draft steps (C_draft).
 - `routing_traces`: per-token expert choices on workload text, for the hot-expert stage.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import statistics
-import time
 from typing import Callable
 
 import numpy as np
 
 from s2moe.runtime.generate import generate_ar
+from s2moe.runtime.kv_cache import KVCache
 from s2moe.runtime.model import MoEModel
-from s2moe.runtime.routing import RoutingPolicy
+from s2moe.runtime.gating import ReuseGating
+from s2moe.runtime.routing import TARGET, RoutingPolicy
+
+from .replay import CapturedPass, WeightPool
 
 Tick = Callable[[], None]
 
@@ -73,52 +76,51 @@ def _contexts(token_lists: list[list[int]], context: int, batch: int) -> list[tu
     return out
 
 
-def verification_samples(model: MoEModel, cache, token_lists: list[list[int]], max_batch: int, n_samples: int,
-                          tick: Tick = _noop, seed: int = 0, context: int = 24, reps: int = 3) -> list[dict]:
-    """Timed target passes of 1..max_batch tokens with a chosen share of their experts resident.
+def controlled_passes(model: MoEModel, token_lists: list[list[int]], max_batch: int, n_samples: int,
+                      pool: WeightPool, tick: Tick = _noop, seed: int = 0, context: int = 24,
+                      reuse_cap: int | None = None) -> list[CapturedPass]:
+    """Target passes of 1..max_batch tokens with a chosen share of their experts resident, captured
+    for `replay.replay` to time (no budget: the cache holds whatever a state needs).
 
-    For each sample: one untimed pass finds the distinct experts N the batch needs; the cache is
-    then set to hold a random subset R of N (nothing else but pinned experts), and the timed pass
-    fetches N \\ R and hits R.
+    For each sample one untimed pass finds the distinct experts N the batch needs; the pass is
+    captured with a random subset R of N resident, so its replays fetch N \\ R and hit R.
+    With ``reuse_cap`` the passes route as S²-MoE verification does (reuse-aware gating, random
+    draft confidences), so they carry the gating's own cost like the passes they model.
     """
+    cache = model.experts
     rng = np.random.default_rng(seed)
     windows = _contexts(token_lists, context, max_batch)
     if not windows:
         raise ValueError("workload too short for verification samples")
     fractions = (0.0, 0.25, 0.5, 0.75, 1.0)
-    kv = model.new_cache(context + max_batch + 1)
-    samples = []
+    prefilled: dict[int, KVCache] = {}  # one KV per window: replays copy its context prefix
+    passes = []
     with cache.in_phase("calibrate"):
         for i in range(n_samples):
-            ctx, nxt = windows[i % len(windows)]
-            n = int(rng.integers(1, max_batch + 1))
-            batch = nxt[:n]
-            kv.rollback(0)
-            model.forward(ctx, kv, logits="last", record=False)
-            kv.commit(len(ctx))
-            _, rec = model.forward(batch, kv, start=len(ctx))
+            w = i % len(windows)
+            ctx, nxt = windows[w]
+            if w not in prefilled:
+                kv = prefilled[w] = model.new_cache(context + max_batch)
+                model.forward(ctx, kv, logits="last", record=False)
+                kv.commit(len(ctx))
+            batch = nxt[: int(rng.integers(1, max_batch + 1))]
+            policy = TARGET
+            if reuse_cap:
+                confidences = np.concatenate([[1.0], rng.uniform(0.2, 1.0, len(batch) - 1)])
+                policy = RoutingPolicy(selection_bias=ReuseGating(model.config.top_k, reuse_cap,
+                                                                  confidences=confidences).bias)
+            _, rec = model.forward(batch, prefilled[w], start=len(ctx), logits="last", policy=policy)
             needed = sorted(rec.unique_experts())
             frac = fractions[i % len(fractions)]
             keep = [needed[j] for j in rng.permutation(len(needed))[: int(round(frac * len(needed)))]]
-            times, missing, resident = [], 0, 0
-            for _ in range(reps):  # median of a few: one pass is ms-scale and this machine is shared
-                cache.clear()
-                for L in sorted({k[0] for k in keep}):
-                    cache.get(L, [e for layer, e in keep if layer == L])
-                resident = sum(1 for k in needed if cache.contains(*k))
-                kv.rollback(len(ctx))
-                before = cache.stats["calibrate"].misses
-                gc.disable()
-                t0 = time.perf_counter()
-                model.forward(batch, kv, start=len(ctx), logits="all", record=False)
-                times.append(time.perf_counter() - t0)
-                gc.enable()
-                missing = cache.stats["calibrate"].misses - before
-            seconds = float(np.median(times))
-            samples.append({"n_tokens": n, "n_missing": missing, "n_resident": resident, "seconds": seconds})
+            for key in keep:
+                pool.offer(key, cache.held[key])
+            passes.append(CapturedPass(model, list(batch), len(ctx), prefilled[w], frozenset(keep),
+                                       len(needed) - len(keep), len(keep),
+                                       {"logits": "all", "record": False, "policy": policy}))
             tick()
     cache.clear()
-    return samples
+    return passes
 
 
 def decode_step_times(model: MoEModel, prompts: list[list[int]], tokens: int, policy: RoutingPolicy,

@@ -31,7 +31,9 @@ from s2moe.runtime.routing import TARGET, RoutingPolicy
 
 from . import hot as hot_mod
 from . import measure
+from . import replay as replay_mod
 from .devices import resolve_device
+from .passes import decode_passes
 
 
 def _workload_tokens(tok, workload: str | None, max_len: int = 192, max_records: int = 96
@@ -72,16 +74,26 @@ def _resumable(samples_path: str, fresh: dict) -> dict:
     return old
 
 
-def fit_cost_model(samples: list[dict]) -> tuple[VerificationCostModel, float, float]:
+# Controlled passes pin down directions real decoding does not vary (no misses at a 100 % budget,
+# all misses in a 10 % one) but run under conditions decoding never has (no budget, every fetched
+# expert kept); at a small weight they fill in those directions without pulling the fit away from
+# the decode passes it must predict (docs/performance.md, "Calibration").
+CONTROLLED_WEIGHT = 0.1
+
+
+def fit_cost_model(controlled: list[dict], decode: list[dict] = ()) -> tuple[VerificationCostModel, float, float]:
+    samples = list(controlled) + list(decode)
     X = np.array([[s[f] for f in FEATURES] for s in samples], dtype=np.float64)
     y = np.array([s["seconds"] for s in samples])
-    model = VerificationCostModel().fit(X, y)
+    weight = np.array([CONTROLLED_WEIGHT if decode else 1.0] * len(controlled) + [1.0] * len(decode))
+    model = VerificationCostModel().fit(X, y, sample_weight=weight)
     return model, model.score(X, y), model.mape(X, y)
 
 
 def run_profile(model_path: str, device: str, budget: str | None, workload: str | None, out: str,
                 draft_topk: int | None, samples_n: int, emulate_bandwidth: float | None, emulate_latency: float,
-                fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False) -> dict:
+                fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False,
+                rounds: int = replay_mod.DEFAULT_ROUNDS) -> dict:
     from s2moe.runtime.cache import ExpertCache
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.loader import load_model
@@ -99,7 +111,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     emulation = Emulation(emulate_bandwidth, emulate_latency)
     samples_path = os.path.splitext(out)[0] + ".samples.json"
     gathered: dict = {"model": loaded.path, "device": kind, "budget": budget or "1.0",
-                      "emulation": [emulate_bandwidth, emulate_latency], "fetch_threads": fetch_threads}
+                      "emulation": [emulate_bandwidth, emulate_latency], "fetch_threads": fetch_threads,
+                      "rounds": rounds}
     if resume:
         gathered = _resumable(samples_path, gathered)
 
@@ -116,16 +129,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         progress.update(t, completed=reps * 5)
         keep("offload", bw)
 
-        # verification cost: cache states under control, no budget in the way
-        cache = ExpertCache(store, capacity_bytes=None)
-        model = MoEModel(loaded, cache)
-        t = progress.add_task("verification passes (T_exp)", total=samples_n)
-        ver = gathered.get("verification") or measure.verification_samples(
-            model, cache, profiling, draft_cap + 1, samples_n, lambda: progress.advance(t))
-        progress.update(t, completed=samples_n)
-        keep("verification", ver)
-
-        # hot experts for the budget
+        # hot experts for the budget (traces run with no budget in the way)
+        model = MoEModel(loaded, ExpertCache(store, capacity_bytes=None))
         plan = plan_memory(loaded, Budget.parse(budget), 4096)
         t = progress.add_task("routing traces (hot experts)", total=len(profiling) + len(heldout))
         tick = lambda: progress.advance(t)  # noqa: E731
@@ -136,7 +141,6 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
             residency = hot_mod.plan_residency(*traces, sizes, plan.expert_capacity)
         progress.update(t, completed=len(profiling) + len(heldout))
         keep("hot_experts", residency)
-        store.close()
 
         # T_AR and C_draft at the budget, with the chosen residency
         pinned = [tuple(k) for k in residency["gpu_experts"]]
@@ -154,26 +158,36 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         progress.update(t, completed=2 * len(prompts))
         t_ar, c_draft = steps["t_ar"], steps["c_draft"]
 
+        # verification cost: cache states under control, no budget in the way
+        pool = replay_mod.WeightPool()
+        ver = gathered.get("verification")
+        controlled = []
+        if ver is None:  # timed below, in the same replay rounds as the decode passes
+            t = progress.add_task("verification passes (T_exp)", total=samples_n)
+            controlled = measure.controlled_passes(model, profiling, draft_cap + 1, samples_n, pool,
+                                                   lambda: progress.advance(t), reuse_cap=2 * c.top_k)
+
         # verification passes of real S²-MoE decoding at the budget (profiling half of the workload):
         # the controlled passes pin down miss vs hit costs, these add the operating distribution
         # (eviction, streaming, gating) the model must predict; validate uses the other half
-        t = progress.add_task("decode passes (cost fit)", total=len(profiling[:16]))
         in_situ = gathered.get("decode_verification")
-        if in_situ is None:
+        if in_situ is None or ver is None:
             from s2moe.runtime.cost_model import CostConstants
-
-            from .validate_cmd import decode_passes
 
             spec = {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k}
             placeholder = CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0)  # threshold 0: unused
             emu = {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
-            in_situ = [dict(zip(("n_tokens", "n_missing", "n_resident", "seconds"), row)) for row in decode_passes(
-                loaded, profiling[:16], budget, pinned, spec, placeholder, emu, 32, lambda: progress.advance(t),
-                fetch_threads)]
-        progress.update(t, completed=len(profiling[:16]))
-        keep("decode_verification", in_situ)
+            with decode_passes(loaded, profiling[:16] if in_situ is None else [], budget, pinned, spec, placeholder,
+                               emu, 32, pool, progress, fetch_threads) as decoded:
+                t = progress.add_task(f"replays ({rounds} rounds)", total=rounds * (len(controlled) + len(decoded)))
+                replay_mod.replay(controlled + decoded, pool, rounds, lambda: progress.advance(t))
+            ver = ver if ver is not None else [p.sample() for p in controlled]
+            in_situ = in_situ if in_situ is not None else [p.sample() for p in decoded]
+            keep("verification", ver)
+            keep("decode_verification", in_situ)
+        store.close()
 
-    cost_model, fit_r2, fit_mape = fit_cost_model(ver + in_situ)
+    cost_model, fit_r2, fit_mape = fit_cost_model(ver, in_situ)
     ar, dr = measure.summarize(t_ar), measure.summarize(c_draft)
     const = cost_model.constants(ar["median"], dr["median"], "profile")
     per_layer = [{"layer": L, "stored": loaded.experts[L, 0].stored_bytes, "resident": loaded.experts[L, 0].resident_bytes}
@@ -203,7 +217,9 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                        "t_base_ms": const.t_base * ms, "t_token_ms": const.t_token * ms,
                        "fit": {"r2": round(fit_r2, 5), "mape_percent": round(fit_mape * 100, 3),
                                "n": len(ver) + len(in_situ), "n_controlled": len(ver), "n_decode": len(in_situ),
-                               "features": list(FEATURES)}},
+                               "features": list(FEATURES),
+                               "timing": f"fastest of {rounds} interleaved replays per pass",
+                               "loss": "relative", "controlled_weight": CONTROLLED_WEIGHT}},
         "hot_experts": residency,
         "speculative": {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k,
                         "utility_threshold": 1.0},
@@ -247,6 +263,8 @@ def profile(
     draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token to time C_draft with."),
     samples: int = typer.Option(150, "--samples", min=10, help="Timed verification passes for the cost fit."),
     decode_tokens: int = typer.Option(24, "--decode-tokens", min=4, help="Decode steps per prompt for T_AR / C_draft."),
+    rounds: int = typer.Option(replay_mod.DEFAULT_ROUNDS, "--rounds", min=1,
+                               help="Interleaved replays per timed pass; its time is the fastest."),
     fetch_threads: int = typer.Option(8, "--fetch-threads", min=1, help="Concurrent expert reads (the runtime's default is 8; the profile records it and validate uses it)."),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated request latency µs."),
@@ -261,7 +279,7 @@ def profile(
         target = out or os.path.join("profiles", f"{device}-{name}.json")
         try:
             data = run_profile(path, device, budget, workload, target, draft_topk, samples, emulate_bandwidth,
-                               emulate_latency, fetch_threads, decode_tokens, resume=resume)
+                               emulate_latency, fetch_threads, decode_tokens, resume=resume, rounds=rounds)
         except KeyboardInterrupt:
             samples_path = os.path.splitext(target)[0] + ".samples.json"
             err.print(f"interrupted: {target} is unchanged; samples so far are in {samples_path}; "

@@ -189,6 +189,17 @@ class ExpertCache:
             self.policy.remove(key)
             self.resident_bytes -= self.held.pop(key).nbytes
 
+    def hold(self, key: Key, weights: ExpertWeights) -> None:
+        """Make ``key`` resident with weights decoded earlier: no read, no accounting. Calibration
+        uses it to put the cache back into the state a captured pass ran in."""
+        if key in self.held:
+            return
+        if self.capacity is not None and self.resident_bytes + weights.nbytes > self.capacity:
+            raise UsageError(f"expert {key[1]} of layer {key[0]} does not fit the budget it was resident under")
+        self.held[key] = weights
+        self.resident_bytes += weights.nbytes
+        self.policy.insert(key)
+
     def _make_room(self, key: Key, size: int, protected: set[Key]) -> bool:
         """Evict until ``key`` fits, if the policy admits it over each victim; else keep all."""
         if self.capacity is None:

@@ -35,12 +35,20 @@ class CostConstants:
         return asdict(self)
 
 
+LOSSES = ("relative", "absolute")
+
+
 class VerificationCostModel:
-    def __init__(self, nonnegative: bool = True):
+    """``loss="relative"`` (default) minimises squared relative error: timing noise on a shared or
+    thermally throttled machine is multiplicative (one speed factor scales a whole pass), and MAPE
+    is the figure validation reports. ``sample_weight`` weighs rows, as in scikit-learn."""
+
+    def __init__(self, nonnegative: bool = True, loss: str = "relative"):
         self.nonnegative = nonnegative
+        self.loss = loss
 
     def get_params(self, deep: bool = True) -> dict:
-        return {"nonnegative": self.nonnegative}
+        return {"nonnegative": self.nonnegative, "loss": self.loss}
 
     def set_params(self, **params) -> "VerificationCostModel":
         for k, v in params.items():
@@ -54,8 +62,17 @@ class VerificationCostModel:
             raise ValueError(f"X must be [n, {len(FEATURES)}] with columns {FEATURES}")
         return np.hstack([np.ones((X.shape[0], 1)), X])
 
-    def fit(self, X, y) -> "VerificationCostModel":
+    def fit(self, X, y, sample_weight=None) -> "VerificationCostModel":
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss {self.loss!r} not in {LOSSES}")
         A, y = self._design(X), np.asarray(y, dtype=np.float64)
+        # weighted least squares: minimise Σ s_i · r_i², r_i the absolute or relative residual
+        scale = np.sqrt(np.ones_like(y) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64))
+        if self.loss == "relative":
+            if np.any(y <= 0):
+                raise ValueError("relative loss needs positive latencies")
+            scale = scale / y
+        A, y = A * scale[:, None], y * scale
         if self.nonnegative:
             from scipy.optimize import nnls
 

@@ -61,6 +61,14 @@ class KVCache:
     def view(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         return self.keys[layer][:, :end], self.values[layer][:, :end]
 
+    def copy_prefix(self, other: "KVCache", n: int) -> None:
+        """Hold ``other``'s positions [0, n), committed (calibration replays a pass from its context)."""
+        if not 0 <= n <= min(other.filled, self.capacity):
+            raise KVCacheError(f"cannot copy {n} positions: source holds {other.filled}, capacity {self.capacity}")
+        for dst, src in zip(self.keys + self.values, other.keys + other.values):
+            dst[:, :n] = src[:, :n]
+        self.filled = self.length = n
+
     def commit(self, upto: int) -> None:
         """Mark positions [0, upto) as committed (they must have been written)."""
         if not self.length <= upto <= self.filled:

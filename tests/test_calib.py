@@ -123,19 +123,22 @@ def test_interrupted_profile_leaves_existing_profile_untouched(calib_model, tmp_
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(measure, "routing_traces", boom)
+    monkeypatch.setattr(measure, "controlled_passes", boom)
     with pytest.raises(KeyboardInterrupt):
         profile_cmd.run_profile(calib_model, "cpu", None, WORKLOAD, str(target), None, 12, None, 0.0, 1, 4)
     assert target.read_bytes() == before
     kept = json.loads((tmp_path / "device.samples.json").read_text())
-    assert len(kept["verification"]) == 12 and "offload" in kept  # samples gathered so far survive
+    assert {"offload", "hot_experts", "decode_steps"} <= set(kept)  # samples gathered so far survive
+    assert "verification" not in kept
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
     # --resume continues: the measured stages are reused, not re-measured
     monkeypatch.undo()
-    monkeypatch.setattr(measure, "verification_samples", boom)
+    monkeypatch.setattr(measure, "routing_traces", boom)
+    monkeypatch.setattr(measure, "decode_step_times", boom)
     data = profile_cmd.run_profile(calib_model, "cpu", None, WORKLOAD, str(target), None, 12, None, 0.0, 1, 4,
                                    resume=True)
-    assert data["cost_model"]["fit"]["n_controlled"] == 12  # the interrupted run's 12, not re-measured
+    assert data["cost_model"]["fit"]["n_controlled"] == 12
+    assert data["hot_experts"] == kept["hot_experts"]  # the interrupted run's stages, not re-measured
 
 
 def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
@@ -147,10 +150,11 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     assert prof.data["source"] == "measured" and prof.data["budget"]["spec"] == "0.5"
     assert os.path.exists(tmp_path / "tiny.samples.json")
     r = calib("validate", "--profile", str(out), "-m", calib_model, "-w", WORKLOAD, "--n-prompts", "4",
-              "--max-tokens", "12", "--json", "--min-r2", "-1000", "--max-mape", "1000")
+              "--max-tokens", "12", "--json", "--min-r2", "-1000", "--max-mape", "1000", "--rounds", "3")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert {"r2", "mape_percent", "n"} <= set(res) and res["n"] >= 3
+    assert {"r2", "mape_percent", "n", "single_shot"} <= set(res) and res["n"] >= 3
+    assert res["timing"]["rounds"] == 3  # every pass timed by three interleaved replays
     strict = calib("validate", "--profile", str(out), "-m", calib_model, "-w", WORKLOAD, "--n-prompts", "2",
                    "--max-tokens", "8", "--min-r2", "1.01")
     assert strict.returncode == 1

@@ -1,0 +1,135 @@
+"""Calibration's pass timing: capture real passes, replay them from their own cache state and KV
+context; the cost model's weighted, relative-error fit; the KV / cache hooks replays rely on."""
+
+import numpy as np
+import pytest
+
+from s2moe.calib import measure
+from s2moe.calib.passes import decode_passes
+from s2moe.calib.replay import WeightPool, replay, single_shot_samples, spread
+from s2moe.runtime.cache import ExpertCache
+from s2moe.runtime.cli.common import DEFAULT_MODEL
+from s2moe.runtime.cost_model import CostConstants, VerificationCostModel
+from s2moe.runtime.errors import KVCacheError, UsageError
+from s2moe.runtime.kv_cache import KVCache
+from s2moe.runtime.loader import load_model
+from s2moe.runtime.model import MoEModel
+from s2moe.runtime.store import ExpertStore
+
+SPEC = {"draft_topk": 2, "draft_cap": 4, "reuse_cap": 8}
+UNUSED = CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(str(DEFAULT_MODEL))
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(10, 6000, 12).tolist() for _ in range(n)]
+
+
+def test_replays_run_from_the_captured_cache_state_and_never_touch_the_decode_kv(loaded):
+    pool = WeightPool()
+    # a 25 % budget with no hot list: LFU residency changes from pass to pass
+    with decode_passes(loaded, _prompts(3), "0.25", None, SPEC, UNUSED, None, 10, pool) as passes:
+        assert len(passes) >= 3
+        assert any(p.resident for p in passes) and any(p.n_missing for p in passes)
+        kv_before = {id(p.kv): [a.copy() for a in p.kv.keys + p.kv.values] for p in passes}
+        replay(passes, pool, rounds=2)  # raises if a replay misses or hits other experts
+        for p in passes:
+            assert len(p.times) == 2 and p.seconds == min(p.times) > 0
+            assert all(np.array_equal(a, b) for a, b in zip(kv_before[id(p.kv)], p.kv.keys + p.kv.values))
+        rows = [p.sample() for p in passes]
+        assert {"n_tokens", "n_missing", "n_resident", "seconds", "repeats", "single_seconds"} <= set(rows[0])
+        assert len(single_shot_samples(passes)) == len(passes) and spread(passes)["rounds"] == 2
+
+
+def test_a_replay_that_differs_from_its_original_raises(loaded):
+    pool = WeightPool()
+    with decode_passes(loaded, _prompts(1), "0.25", None, SPEC, UNUSED, None, 6, pool) as passes:
+        passes[0].n_missing += 1
+        with pytest.raises(RuntimeError, match="replay of a"):
+            replay(passes[:1], pool, rounds=1)
+
+
+def test_controlled_passes_fetch_and_hit_what_they_were_set_up_with(loaded):
+    model = MoEModel(loaded, ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None))
+    pool = WeightPool()
+    tokens = [list(range(100, 160))]
+    passes = measure.controlled_passes(model, tokens, max_batch=5, n_samples=10, pool=pool, reuse_cap=8)
+    assert {p.n_resident == len(p.resident) for p in passes} == {True}
+    assert any(p.n_missing == 0 for p in passes) and any(p.n_resident == 0 for p in passes)
+    assert all("policy" in p.forward_kwargs for p in passes)  # they route like S²-MoE verification
+    replay(passes, pool, rounds=2)
+    assert all(len(p.times) == 2 for p in passes)
+
+
+def test_weight_pool_stops_at_its_limit(loaded):
+    store = ExpertStore(loaded, direct=False)
+    w = store.read(0, 0)
+    pool = WeightPool(limit_bytes=w.nbytes)
+    pool.offer((0, 0), w)
+    pool.offer((0, 1), store.read(0, 1))
+    assert list(pool.weights) == [(0, 0)] and pool.nbytes == w.nbytes
+
+
+def test_cache_hold_restores_without_reading_and_respects_the_budget(loaded):
+    store = ExpertStore(loaded, direct=False)
+    w = store.read(1, 3)
+    cache = ExpertCache(store, capacity_bytes=w.nbytes)
+    cache.hold((1, 3), w)
+    assert cache.contains(1, 3) and cache.resident_bytes == w.nbytes
+    assert not cache.stats  # no phase saw a read or a lookup
+    cache.get(1, [3])
+    assert cache.stats["ar"].hits == 1 and cache.stats["ar"].misses == 0
+    with pytest.raises(UsageError, match="does not fit"):
+        cache.hold((1, 4), store.read(1, 4))
+
+
+def test_kv_copy_prefix_is_exact_and_checks_bounds():
+    src = KVCache(2, 2, 4, 16)
+    rng = np.random.default_rng(0)
+    src.begin_write(0, 10)
+    for L in range(2):
+        src.write(L, 0, rng.normal(size=(2, 10, 4)), rng.normal(size=(2, 10, 4)))
+    dst = KVCache(2, 2, 4, 12)
+    dst.copy_prefix(src, 7)
+    assert dst.length == dst.filled == 7
+    for L in range(2):
+        np.testing.assert_array_equal(dst.view(L, 7)[0], src.view(L, 7)[0])
+        np.testing.assert_array_equal(dst.view(L, 7)[1], src.view(L, 7)[1])
+    with pytest.raises(KVCacheError):
+        dst.copy_prefix(src, 11)  # the source holds only 10
+    with pytest.raises(KVCacheError):
+        KVCache(2, 2, 4, 5).copy_prefix(src, 6)  # more than the capacity
+
+
+def _synthetic(n: int, rng, base: float) -> tuple[np.ndarray, np.ndarray]:
+    X = np.column_stack([rng.integers(1, 10, n), rng.integers(0, 40, n), rng.integers(0, 40, n)]).astype(float)
+    return X, base + X @ np.array([3e-4, 8e-4, 5e-5])
+
+
+@pytest.mark.parametrize("loss", ["relative", "absolute"])
+def test_both_losses_recover_constants_under_multiplicative_noise(loss):
+    rng = np.random.default_rng(3)
+    X, y = _synthetic(400, rng, 2e-3)
+    y = y * rng.normal(1.0, 0.03, y.size)
+    m = VerificationCostModel(loss=loss).fit(X, y)
+    assert m.get_params()["loss"] == loss
+    assert m.intercept_ == pytest.approx(2e-3, rel=0.15)
+    np.testing.assert_allclose(m.coef_, [3e-4, 8e-4, 5e-5], rtol=0.2, atol=2e-5)
+
+
+def test_sample_weight_lets_the_heavy_group_decide():
+    rng = np.random.default_rng(4)
+    Xa, ya = _synthetic(200, rng, 2e-3)  # the passes to predict
+    Xb, yb = _synthetic(200, rng, 4e-3)  # another condition: a different per-pass base
+    X, y = np.vstack([Xa, Xb]), np.concatenate([ya, yb])
+    even = VerificationCostModel().fit(X, y)
+    light_b = VerificationCostModel().fit(X, y, sample_weight=np.r_[np.ones(200), np.full(200, 0.01)])
+    assert abs(light_b.intercept_ - 2e-3) < abs(even.intercept_ - 2e-3)
+    assert light_b.mape(Xa, ya) < even.mape(Xa, ya)
+    with pytest.raises(ValueError, match="loss"):
+        VerificationCostModel(loss="huber").fit(X, y)
