@@ -66,6 +66,9 @@ def main() -> None:
                               "latency_us": prof["offload"]["latency_us"]},
                 "t_exp_fetch_ms": fetch_ms, "latency_plus_bytes_over_bw_ms": expected_ms,
                 "t_exp_relative_error": fetch_ms / expected_ms - 1, "fit_in_sample": prof["cost_model"]["fit"]}
+    # held-out validation where fetch time is deterministic: what the model does without the VM's noise
+    v = calib("validate", "--profile", emu, "--n-prompts", args.n_prompts, "--json")
+    emulated["validate"] = json.loads(v.stdout) if v.stdout.strip() else {"error": v.stderr}
     print(json.dumps(emulated), file=sys.stderr)
     with open(os.path.join(ROOT, args.out), "w") as f:
         json.dump({"machine": machine_info(), "commit": git_commit(), "budgets": rows, "emulated": emulated}, f,
