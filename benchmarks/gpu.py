@@ -2,11 +2,11 @@
 
     pip install -e ".[dev,cuda]" && python benchmarks/gpu.py [--out docs/results/gpu]
 
-Needs CuPy and a CUDA device; without them it says so and exits 2. What it measures today: the
-router top-k and fused reuse-aware gating kernels (one layer's routing for a decode batch and for
-a verification batch) vs the NumPy reference, medians over repetitions with CUDA events. The CuPy
-model backend (`--backend cupy`, device-resident expert cache) is not written yet, so AR and
-S²-MoE tokens/s on a GPU are not reported here.
+Needs CuPy and a CUDA device; without them it says so and exits 2. It measures: the router top-k
+and fused reuse-aware gating kernels (one layer's routing for a decode batch and for a
+verification batch) vs the NumPy reference, medians over repetitions with CUDA events; then AR and
+S²-MoE decode tokens/s of the embedded model on the NumPy and CuPy backends at 100 % and 25 %
+budgets (`s2moe bench` logic, greedy, 4 default prompts × 32 tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +23,40 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+
+
+def decode_records() -> list:
+    """AR and S²-MoE tokens/s per backend and budget (one process, interleaved per prompt)."""
+    from s2moe.runtime.backend import select_backend
+    from s2moe.runtime.cli.common import DEFAULT_MODEL
+    from s2moe.runtime.engine import build_engine
+    from s2moe.runtime.estimate import estimate_costs
+    from s2moe.runtime.loader import load_model
+    from s2moe.runtime.methods import SpecSettings, get_method
+    from s2moe.runtime.prompts import load_workload
+    from s2moe.runtime.routing import RoutingPolicy
+    from s2moe.runtime.speculative import SpeculativeDecoder
+    from s2moe.runtime.tokenizer import load_tokenizer
+
+    loaded = load_model(str(DEFAULT_MODEL))
+    tok = load_tokenizer(loaded)
+    prompts = [tok.encode(p).ids[:64] for p in load_workload(os.path.join(ROOT, "runtime", "assets", "prompts",
+                                                                          "default.jsonl"))[:4]]
+    records = []
+    for backend in ("numpy", "cupy"):
+        arrays = select_backend(backend)
+        for budget in ("1.0", "0.25"):
+            engine = build_engine(loaded.path, budget, 512, None, loaded=loaded, backend=arrays)
+            settings = SpecSettings(draft_topk=2)
+            costs = estimate_costs(engine.model, prompts[0], RoutingPolicy(top_k=2))
+            for method in ("ar", "s2moe"):
+                dec = SpeculativeDecoder(engine.model, get_method(method), settings, costs)
+                dec.generate(prompts[0], 4)  # warm-up: kernels compile, hot experts load
+                rates = [dec.generate(ids, 32).stats()["decode_tokens_per_s"] for ids in prompts]
+                records.append(Record("gpu", f"{method} decode, {backend}, budget {budget}", "tok/s", rates,
+                                      {"backend": backend, "budget": budget, "method": method}))
+            engine.close()
+    return records
 
 
 def main() -> None:
@@ -77,7 +111,8 @@ def main() -> None:
             cpu = [(time.perf_counter() - t0) / args.reps * 1e6]
             records += [Record("gpu", f"fused reuse gating kernel, {name}", "µs", gpu, {"B": B, "E": E, "k": k}),
                         Record("gpu", f"reuse gating NumPy, {name}", "µs", cpu, {"B": B, "E": E, "k": k})]
-    write_outputs(records, machine_info(), args.out, "csrc kernels on the GPU")
+    records += decode_records()
+    write_outputs(records, machine_info(), args.out, "csrc kernels and backends on the GPU")
     sys.exit(tests.returncode)
 
 

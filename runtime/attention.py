@@ -11,26 +11,29 @@ from __future__ import annotations
 import numpy as np
 
 from . import rope
+from .backend import xp_of
 from .config import ModelConfig
 from .kv_cache import KVCache
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(x * x, axis=-1, keepdims=True)
-    return x / np.sqrt(var + eps) * weight
+    xp = xp_of(x)
+    var = xp.mean(x * x, axis=-1, keepdims=True)
+    return x / xp.sqrt(var + eps) * weight
 
 
 def masked_softmax(scores: np.ndarray, allowed: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
     """Softmax over the last axis where ``allowed``; ``sinks`` (broadcast to [..., 1]) join the
     normaliser only. Every row sees at least its own slot, so the max is finite."""
-    scores = np.where(allowed, scores, -np.inf)
+    xp = xp_of(scores)
+    scores = xp.where(allowed, scores, -np.inf)
     top = scores.max(-1, keepdims=True)
     if sinks is not None:
-        top = np.maximum(top, sinks)
-    e = np.exp(scores - top)
+        top = xp.maximum(top, sinks)
+    e = xp.exp(scores - top)
     total = e.sum(-1, keepdims=True)
     if sinks is not None:
-        total += np.exp(sinks - top)
+        total += xp.exp(sinks - top)
     return e / total
 
 
@@ -49,7 +52,7 @@ def gqa(c: ModelConfig, W: dict, L: int, x: np.ndarray, start: int, kv: KVCache,
         q = rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
         k = rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
     if c.clip_qkv is not None:
-        q, k, v = (np.clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
+        q, k, v = (xp_of(a).clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
     q = q.reshape(T, nh, D).transpose(1, 0, 2)  # [nh, T, D]
     k = k.reshape(T, nkv, D).transpose(1, 0, 2)
     v = v.reshape(T, nkv, D).transpose(1, 0, 2)

@@ -125,14 +125,17 @@ DEFAULT_POLICY = "lfu"
 
 class ExpertCache:
     def __init__(self, store, capacity_bytes: int | None = None, policy: str = DEFAULT_POLICY,
-                 hot: Iterable[Key] = (), resident_size=None):
+                 hot: Iterable[Key] = (), resident_size=None, place=None):
         """``capacity_bytes`` None = unlimited (full residency). ``resident_size(key)`` gives an
-        expert's compute-format bytes, used to check the hot set fits before reading it."""
+        expert's compute-format bytes, used to check the hot set fits before reading it.
+        ``place`` moves fetched weights into the fast tier's memory (`Backend.upload_expert`:
+        device memory on CuPy; None keeps them in host memory)."""
         if policy not in POLICIES:
             raise UsageError(f"--cache-policy {policy!r}: choose from {', '.join(POLICIES)}")
         self.store = store
         self.capacity = capacity_bytes
         self.policy = POLICIES[policy]()
+        self.place = place or (lambda w: w)
         self.held: dict[Key, ExpertWeights] = {}
         self.pinned: set[Key] = set()
         self.resident_bytes = 0
@@ -233,7 +236,7 @@ class ExpertCache:
             self.policy.access(key)
         if missing:
             t0 = time.perf_counter()
-            fetched = self.store.read_many(layer, [e for _, e in missing])
+            fetched = [self.place(w) for w in self.store.read_many(layer, [e for _, e in missing])]
             stats.fetch_seconds += time.perf_counter() - t0
             protected = set(keys)
             for key, w in zip(missing, fetched):

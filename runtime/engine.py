@@ -7,6 +7,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 from .budget import Budget, MemoryPlan, fmt_bytes, plan_memory
+from .backend import NUMPY, Backend
 from .cache import DEFAULT_POLICY, ExpertCache
 from .errors import UsageError
 from .loader import LoadedModel, load_model
@@ -80,6 +81,7 @@ def build_engine(
     direct_io: bool = True,
     loaded: LoadedModel | None = None,
     fetch_threads: int | None = None,
+    backend: Backend = NUMPY,
 ) -> Engine:
     loaded = loaded or load_model(model_path)
     parsed = Budget.parse(budget)
@@ -98,8 +100,9 @@ def build_engine(
         where = hot_experts if isinstance(hot_experts, str) else "hot experts"
         raise UsageError(f"{where}: {len(hot)} hot experts need {fmt_bytes(sum(map(size, hot)))}, the budget leaves "
                          f"{fmt_bytes(plan.expert_capacity)} for experts; shorten the list or raise --budget")
-    cache = ExpertCache(store, None if full else plan.expert_capacity, policy, hot, size)
-    return Engine(loaded, MoEModel(loaded, cache), cache, plan, parsed, emulation)
+    # the fast tier lives where the math runs: device memory on CuPy, same byte budget
+    cache = ExpertCache(store, None if full else plan.expert_capacity, policy, hot, size, place=backend.upload_expert)
+    return Engine(loaded, MoEModel(loaded, cache, backend), cache, plan, parsed, emulation)
 
 
 def phase_of(model: MoEModel, name: str):

@@ -46,8 +46,15 @@ def estimate_costs(model: MoEModel, prompt: list[int], draft_policy: RoutingPoli
         # one resident expert's compute for one token
         L = c.moe_layer_ids[0]
         w = model.experts.get(L, [0])[0]
-        x = np.random.default_rng(0).standard_normal((1, c.hidden_size)).astype(np.float32)
-        t_hit = _median_time(lambda: (silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T, 20)
+        arrays = model.backend
+        x = arrays.to_device(np.random.default_rng(0).standard_normal((1, c.hidden_size)).astype(np.float32))
+        arrays.wait(w)
+
+        def one_expert():
+            (silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
+            arrays.synchronize()  # device work is asynchronous: time its completion
+
+        t_hit = _median_time(one_expert, 20)
         # a miss adds a read of the stored bytes through the slow tier
         store = getattr(model.experts, "store", None)
         t_read = 0.0

@@ -26,6 +26,7 @@ class ExpertWeights:
     gate_bias: np.ndarray | None = None  # [I]
     up_bias: np.ndarray | None = None  # [I]
     down_bias: np.ndarray | None = None  # [H]
+    ready: object = None  # device backends: the copy-stream event to wait for before use
 
     @property
     def nbytes(self) -> int:

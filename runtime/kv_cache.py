@@ -19,21 +19,21 @@ from .errors import KVCacheError
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=np.float32,
-                 value_dim: int | None = None):
+                 value_dim: int | None = None, xp=np):
         if capacity <= 0:
             raise KVCacheError(f"KV cache capacity must be positive (got {capacity})")
         self.capacity = capacity
         value_dim = head_dim if value_dim is None else value_dim
         # [kv_heads, positions, head_dim] per layer: one head's keys are contiguous for attention.
-        self.keys = [np.zeros((num_kv_heads, capacity, head_dim), dtype) for _ in range(num_layers)]
-        self.values = [np.zeros((num_kv_heads, capacity, value_dim), dtype) for _ in range(num_layers)]
+        self.keys = [xp.zeros((num_kv_heads, capacity, head_dim), dtype) for _ in range(num_layers)]
+        self.values = [xp.zeros((num_kv_heads, capacity, value_dim), dtype) for _ in range(num_layers)]
         self.length = 0
         self.filled = 0
 
     @classmethod
-    def for_config(cls, config, capacity: int) -> "KVCache":
+    def for_config(cls, config, capacity: int, xp=np) -> "KVCache":
         heads, key_dim, value_dim = config.kv_shape
-        return cls(config.num_layers, heads, key_dim, capacity, value_dim=value_dim)
+        return cls(config.num_layers, heads, key_dim, capacity, value_dim=value_dim, xp=xp)
 
     @property
     def nbytes(self) -> int:

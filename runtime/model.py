@@ -16,17 +16,25 @@ import numpy as np
 
 from . import rope
 from .attention import ATTENTION, rms_norm
+from .backend import NUMPY, Backend, xp_of
 from .config import ModelConfig
 from .experts import ExpertProvider, ExpertWeights
 from .kv_cache import KVCache
 from .loader import LoadedModel
-from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, route, sigmoid
+from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, route
 
 
 
 def silu(x: np.ndarray) -> np.ndarray:
+    xp = xp_of(x)
     with np.errstate(over="ignore"):  # exp(-x) → inf for very negative x gives the right limit, -0
-        return x / (1.0 + np.exp(-x))
+        return x / (1.0 + xp.exp(-x))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    xp = xp_of(x)
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + xp.exp(-x))
 
 
 def _biased(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -37,9 +45,10 @@ def expert_ffn(c: ModelConfig, w: ExpertWeights, h: np.ndarray) -> np.ndarray:
     """One expert on its tokens: SwiGLU, or GPT-OSS's clamped variant; biases where present."""
     gate, up = _biased(h @ w.gate.T, w.gate_bias), _biased(h @ w.up.T, w.up_bias)
     if c.expert_act == "swiglu_clamped":
-        gate = np.minimum(gate, c.swiglu_limit)
-        up = np.clip(up, -c.swiglu_limit, c.swiglu_limit)
-        act = (up + 1.0) * gate * sigmoid(c.swiglu_alpha * gate)
+        xp = xp_of(gate)
+        gate = xp.minimum(gate, c.swiglu_limit)
+        up = xp.clip(up, -c.swiglu_limit, c.swiglu_limit)
+        act = (up + 1.0) * gate * _sigmoid(c.swiglu_alpha * gate)
     else:
         act = silu(gate) * up
     return _biased(act @ w.down.T, w.down_bias)
@@ -65,39 +74,43 @@ class _NoSplit:
 
 
 class MoEModel:
-    def __init__(self, loaded: LoadedModel, experts: ExpertProvider | None = None):
+    def __init__(self, loaded: LoadedModel, experts: ExpertProvider | None = None, backend: Backend = NUMPY):
         self.loaded = loaded
         self.config: ModelConfig = loaded.config
+        self.backend = backend
+        # dense weights where the math runs (NumPy: the loaded arrays themselves, no copy)
+        self.W = {k: backend.to_device(v) for k, v in loaded.dense.items()} if backend.on_device else loaded.dense
         if experts is None:  # full residency, buffered reads: the plain reference configuration
             from .cache import ExpertCache
             from .store import ExpertStore
 
-            experts = ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None)
+            experts = ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None, place=backend.upload_expert)
         self.experts = experts
         self._inv_freq, self._rope_factor = rope.inv_freq_and_factor(self.config)
         self._attention_kind = ATTENTION[self.config.attention]
         self.split: TimeSplit | _NoSplit = _NoSplit()
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache.for_config(self.config, capacity)
+        return KVCache.for_config(self.config, capacity, xp=self.backend.xp)
 
     # -- pieces -------------------------------------------------------------------------------
     def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return rope.tables(self._inv_freq, self._rope_factor, positions)
 
     def _attention(self, L: int, x: np.ndarray, start: int, kv: KVCache, cos, sin, allowed) -> np.ndarray:
-        return self._attention_kind(self.config, self.loaded.dense, L, x, start, kv, (cos, sin), allowed)
+        return self._attention_kind(self.config, self.W, L, x, start, kv, (cos, sin), allowed)
 
     def _moe(self, L: int, x: np.ndarray, policy: RoutingPolicy, record: RoutingRecord | None) -> np.ndarray:
-        c, W = self.config, self.loaded.dense
+        c, W, host = self.config, self.W, self.loaded.dense
         p = f"layers.{L}."
         with self.split.part("router"):
-            logits = _biased(x @ W[p + "router"].T, W.get(p + "router_bias"))  # [T, E]
+            # routing runs on the host: the cache must know the experts before computing them
+            logits = self.backend.to_host(_biased(x @ W[p + "router"].T, W.get(p + "router_bias")))  # [T, E]
             k = policy.k_for(L, c.top_k)
             bias = policy.selection_bias(L, logits) if policy.selection_bias else None
             groups = (c.expert_groups, c.expert_groups_used) if c.expert_groups else None
             experts, weights = route(logits, k, c.router, c.norm_topk_prob, bias, scale=c.routed_scaling_factor,
-                                     groups=groups, score_bias=W.get(p + "router_score_bias"))
+                                     groups=groups, score_bias=host.get(p + "router_score_bias"))
             if record is not None:
                 record.layers[L] = LayerRouting(logits, experts, weights)
         with self.split.part("experts"):
@@ -113,16 +126,17 @@ class MoEModel:
         order = np.argsort(flat, kind="stable")
         ids, starts = np.unique(flat[order], return_index=True)
         bounds = np.append(starts, flat.size)
-        token_of = order // experts.shape[1]
-        weight_of = weights.ravel()[order]
-        out = np.zeros_like(x)
+        token_of = self.backend.to_device(order // experts.shape[1])
+        weight_of = self.backend.to_device(weights.ravel()[order])
+        out = xp_of(x).zeros_like(x)
         for w, i in zip(self.experts.get(L, [int(e) for e in ids]), range(len(ids))):
+            self.backend.wait(w)  # its copy (device backends) may still be in flight
             rows = token_of[bounds[i]:bounds[i + 1]]
             out[rows] += weight_of[bounds[i]:bounds[i + 1], None] * expert_ffn(self.config, w, x[rows])
         return out
 
     def _dense_mlp(self, L: int, x: np.ndarray, kind: str = "mlp_") -> np.ndarray:
-        W = self.loaded.dense
+        W = self.W
         p = f"layers.{L}.{kind}"
         return (silu(x @ W[p + "gate"].T) * (x @ W[p + "up"].T)) @ W[p + "down"].T
 
@@ -162,7 +176,7 @@ class MoEModel:
         ``tree_mask`` instead says exactly which slots each token sees.
         Returns logits [T, V] (or [1, V] with ``logits="last"``) and the routing record.
         """
-        c, W = self.config, self.loaded.dense
+        c, W, dev = self.config, self.W, self.backend.to_device
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T = tokens.size
         start = kv.filled if start is None else start
@@ -170,14 +184,14 @@ class MoEModel:
         if tokens.min(initial=0) < 0 or tokens.max(initial=0) >= c.vocab_size:
             raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
         pos = np.arange(start, start + T) if positions is None else np.asarray(positions, dtype=np.int64)
-        cos, sin = self._rope(pos)
+        cos, sin = (dev(t) for t in self._rope(pos))
         windows = {c.window_of(L) for L in range(c.num_layers)}  # GPT-OSS: sliding and full layers
-        masks = {w: self._visibility(start, T, pos, tree_mask, w) for w in windows}
+        masks = {w: dev(self._visibility(start, T, pos, tree_mask, w)) for w in windows}
         rec = RoutingRecord() if record else None
         begin, end = getattr(self.experts, "begin_pass", None), getattr(self.experts, "end_pass", None)
         if begin:
             begin()
-        h = W["embed"][tokens]
+        h = W["embed"][dev(tokens)]
         for L in range(c.num_layers):
             with self.split.part("attention"):
                 h = h + self._attention(L, rms_norm(h, W[f"layers.{L}.attn_norm"], c.rms_norm_eps), start, kv, cos, sin,
@@ -192,7 +206,7 @@ class MoEModel:
             if logits == "last":
                 h = h[-1:]
             # [V, H] @ [H, T] streams the head once: 2–3× faster than h @ W.T for 2–16 tokens
-            out = np.ascontiguousarray((W["lm_head"] @ rms_norm(h, W["norm"], c.rms_norm_eps).T).T)
+            out = xp_of(h).ascontiguousarray((W["lm_head"] @ rms_norm(h, W["norm"], c.rms_norm_eps).T).T)
         if end:
             end()
-        return out, rec
+        return self.backend.to_host(out), rec  # logits to the host: sampling and acceptance run there

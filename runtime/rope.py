@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from .backend import xp_of
 from .config import ModelConfig, yarn_mscale
 
 
@@ -52,12 +53,13 @@ def tables(inv_freq: np.ndarray, factor: float, positions: np.ndarray) -> tuple[
 def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> np.ndarray:
     """Rotate the last axis of ``x`` [..., T, D]. Pairs are (i, i + D/2) (HF's rotate-half) or, with
     ``interleave``, adjacent (2i, 2i + 1) as DeepSeek's complex-number form; those stay in place."""
+    xp = xp_of(x)
     if interleave:
         a, b = x[..., 0::2], x[..., 1::2]
-        out = np.empty_like(x)
+        out = xp.empty_like(x)
         out[..., 0::2] = a * cos - b * sin
         out[..., 1::2] = b * cos + a * sin
         return out
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
-    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return xp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)

@@ -36,10 +36,12 @@ def run(
     cache_policy: str = typer.Option("lfu", "--cache-policy", help="Replacement policy for non-pinned experts: lfu or lru."),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulate a slow tier of this many MB/s (what-if runs)."),
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated per-request latency in µs."),
+    backend: str = typer.Option("auto", "--backend", help="auto (CuPy when a CUDA device is usable, else NumPy), numpy or cupy."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate text with the model (S²-MoE self-speculative decoding by default)."""
     with cli_errors():
+        from ..backend import select_backend
         from ..engine import build_engine
         from ..estimate import estimate_costs
         from ..loader import load_model
@@ -49,6 +51,7 @@ def run(
         from .spec_options import apply_profile, describe_costs, make_settings
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
+        arrays = select_backend(backend)
         loaded = load_model(resolve_model(model))
         params = sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed)
         chosen = apply_profile(profile, loaded, budget, hot_experts)
@@ -60,7 +63,7 @@ def run(
             raise typer.BadParameter("the prompt encodes to no tokens", param_hint="--prompt")
         kv_positions = len(ids) + max_tokens + 2 * max(settings.draft_cap, 8) + 2
         engine = build_engine(loaded.path, chosen.budget, kv_positions, chosen.hot_experts, cache_policy,
-                              emulate_bandwidth, emulate_latency, loaded=loaded)
+                              emulate_bandwidth, emulate_latency, loaded=loaded, backend=arrays)
         if engine.emulation.active:
             err.print(f"[yellow]{engine.emulation.describe()}: timings are not this machine's[/yellow]")
         costs = chosen.profile.costs if chosen.profile is not None else None
@@ -75,7 +78,8 @@ def run(
         text = tok.decode(result.tokens)
         stats = {**result.stats(), **_per_token(engine.report(), len(result.tokens)), "method": spec.name,
                  "draft_topk": settings.draft_topk,
-                 "cost_constants": costs.to_dict() if costs else None, "offload": engine.report()}
+                 "cost_constants": costs.to_dict() if costs else None, "offload": engine.report(),
+                 "backend": {"name": arrays.name, "reason": arrays.reason, "host_reads": arrays.host_reads}}
         if json_out:
             print_json({"text": text, "prompt_tokens": ids, "tokens": result.tokens, "stats": stats})
             return
@@ -151,7 +155,8 @@ def print_summary(stats: dict) -> None:
         f"[dim]{stats['method']} · prompt {stats['prompt_tokens']} tok · generated {stats['generated_tokens']} tok · "
         f"prefill {stats['prefill_ms']:.1f} ms · decode {stats['decode_tokens_per_s']:.1f} tok/s{spec} · "
         f"stop: {stats['stop_reason']} · budget {off['budget']} · peak experts "
-        f"{fmt_bytes(cache['peak_resident_bytes'])} · {cache['policy']}[/dim]"
+        f"{fmt_bytes(cache['peak_resident_bytes'])} · {cache['policy']} · backend {stats['backend']['name']} "
+        f"({stats['backend']['reason']})[/dim]"
         + (f" · [yellow]{off['emulation']}[/yellow]" if "emulation" in off else "")
     )
     table = Table(title="expert cache by phase", title_style="dim")

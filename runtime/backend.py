@@ -1,0 +1,133 @@
+"""Array backends: NumPy on the CPU, CuPy on a CUDA device.
+
+Model code is written once against the NumPy API and asks `xp_of(array)` which module owns an
+array, so the same functions run on host or device arrays. What stays on the host, on purpose:
+token ids, positions, RoPE tables and attention masks (small, built per pass, then copied up),
+and routing. A pass has exactly these device → host reads (the synchronisations):
+
+- per MoE layer, the router logits [T, E]: the host chooses the experts (the fast tier must know
+  which experts to fetch before computing them, and the reuse-aware gating code stays one NumPy
+  implementation for both backends); experts and mixture weights go back up asynchronously;
+- at the end, the logits [T or 1, V] for sampling and acceptance.
+
+Expert weights reach the device through `Backend.upload_expert` on a separate copy stream with one
+event per expert; `wait` makes the compute stream wait for that event only, so the next expert's
+copy overlaps the current expert's compute (the cache fetches a layer's misses together).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from .errors import UsageError
+
+BACKENDS = ("auto", "numpy", "cupy")
+
+# (array type, module) of device backends in use; checked before NumPy so that a device array
+# type deriving from np.ndarray (the test double) is still routed to its module.
+_DEVICE_TYPES: list[tuple[type, Any]] = []
+
+
+def xp_of(*arrays) -> Any:
+    """The array module owning the first device array among ``arrays``, else NumPy."""
+    for a in arrays:
+        for kind, module in _DEVICE_TYPES:
+            if isinstance(a, kind):
+                return module
+    return np
+
+
+def _register(kind: type, module) -> None:
+    if (kind, module) not in _DEVICE_TYPES:
+        _DEVICE_TYPES.append((kind, module))
+
+
+@dataclass
+class Backend:
+    name: str  # "numpy" | "cupy"
+    xp: Any
+    reason: str  # why this backend (for the run summary)
+    host_reads: int = 0  # device → host copies so far (the synchronisations)
+    _copy_stream: Any = field(default=None, repr=False)
+
+    @property
+    def on_device(self) -> bool:
+        return self.xp is not np
+
+    def to_device(self, a):
+        """Host array → this backend (no copy on NumPy)."""
+        return self.xp.asarray(a) if self.on_device and a is not None else a
+
+    def to_host(self, a) -> np.ndarray:
+        """Device array → NumPy; on a device this waits for the producing work (a sync)."""
+        if not self.on_device:
+            return a
+        self.host_reads += 1
+        return self.xp.asnumpy(a)
+
+    def synchronize(self) -> None:
+        """Wait for the compute stream (timing only; decoding never needs it)."""
+        if self.on_device:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def upload_expert(self, w):
+        """Host `ExpertWeights` → device, copied on the copy stream; the result carries the event
+        its consumer must wait for (`wait`). Identity on NumPy."""
+        if not self.on_device or w is None:
+            return w
+        xp = self.xp
+        if self._copy_stream is None:
+            self._copy_stream = xp.cuda.Stream(non_blocking=True)
+        with self._copy_stream:
+            parts = {name: None if a is None else xp.asarray(a) for name, a in _parts(w).items()}
+            event = self._copy_stream.record()
+        return replace(w, **parts, ready=event)
+
+    def wait(self, w) -> None:
+        """Make the compute stream wait until ``w``'s copy has landed (no host sync)."""
+        event = getattr(w, "ready", None)
+        if event is not None and self.on_device:
+            self.xp.cuda.get_current_stream().wait_event(event)
+
+
+def _parts(w) -> dict:
+    return {"gate": w.gate, "up": w.up, "down": w.down, "gate_bias": w.gate_bias, "up_bias": w.up_bias,
+            "down_bias": w.down_bias}
+
+
+NUMPY = Backend("numpy", np, "requested")
+
+
+def cuda_unusable_reason() -> str | None:
+    """None when CuPy and a CUDA device are usable, else why not (one line)."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install 's2moe[cuda]')"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+    except Exception as exc:  # CUDARuntimeError when there is no driver
+        return f"no usable CUDA device ({exc.__class__.__name__})"
+    return None
+
+
+def select_backend(name: str = "auto", module=None) -> Backend:
+    """``auto``: CuPy when a CUDA device is usable, else NumPy (the reason says which and why).
+    ``module`` substitutes the CuPy module (tests run the device code paths on a CPU double)."""
+    if name not in BACKENDS:
+        raise UsageError(f"--backend {name!r}: choose from {', '.join(BACKENDS)}")
+    if name == "numpy":
+        return Backend("numpy", np, "requested")
+    if module is None:
+        reason = cuda_unusable_reason()
+        if reason is not None:
+            if name == "cupy":
+                raise UsageError(f"--backend cupy: {reason}; use --backend numpy or auto")
+            return Backend("numpy", np, f"auto: {reason}")
+        import cupy as module
+    _register(module.ndarray, module)
+    return Backend("cupy", module, "requested" if name == "cupy" else "auto: CUDA device found")

@@ -1,0 +1,109 @@
+"""The backend layer: selection, and the device code paths run on a CPU stand-in for CuPy
+(tests/fake_cupy.py) that rejects host/device mixing and implicit host reads. tests/gpu runs the
+same checks with real CuPy on a GPU."""
+
+import numpy as np
+import pytest
+
+from s2moe.runtime import backend as B
+from s2moe.runtime.cli.common import DEFAULT_MODEL
+from s2moe.runtime.engine import build_engine
+from s2moe.runtime.errors import UsageError
+from s2moe.runtime.loader import load_model
+from s2moe.runtime.methods import SpecSettings, get_method
+from s2moe.runtime.model import MoEModel
+from s2moe.runtime.speculative import SpeculativeDecoder
+
+import fake_cupy
+import tiny_models as tm
+from test_replay import UNUSED
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(str(DEFAULT_MODEL))
+
+
+@pytest.fixture
+def device():
+    return B.select_backend("cupy", module=fake_cupy.module)
+
+
+def test_selection_states_its_reason(monkeypatch):
+    assert B.select_backend("numpy").name == "numpy"
+    monkeypatch.setattr(B, "cuda_unusable_reason", lambda: "CuPy is not installed (pip install 's2moe[cuda]')")
+    auto = B.select_backend("auto")
+    assert auto.name == "numpy" and auto.reason.startswith("auto: CuPy is not installed")
+    with pytest.raises(UsageError, match="--backend cupy: CuPy is not installed"):
+        B.select_backend("cupy")
+    with pytest.raises(UsageError, match="choose from auto, numpy, cupy"):
+        B.select_backend("tpu")
+    assert B.select_backend("auto", module=fake_cupy.module).name == "cupy"
+
+
+def test_device_logits_match_numpy_and_syncs_are_the_documented_ones(loaded, device):
+    host, dev = MoEModel(loaded), MoEModel(loaded, backend=device)
+    tokens = [5, 99, 1000, 42, 7, 3000]
+    kv_h, kv_d = host.new_cache(16), dev.new_cache(16)
+    assert isinstance(kv_d.keys[0], fake_cupy.DeviceArray) and isinstance(dev.W["lm_head"], fake_cupy.DeviceArray)
+    ref, _ = host.forward(tokens, kv_h)
+    before = device.host_reads
+    got, rec = dev.forward(tokens, kv_d)
+    assert isinstance(got, np.ndarray) and not isinstance(got, fake_cupy.DeviceArray)  # logits land on the host
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    # one read per MoE layer (router logits, to choose experts) and one for the logits: nothing else
+    assert device.host_reads - before == len(loaded.config.moe_layer_ids) + 1
+    assert all(isinstance(r.logits, np.ndarray) for r in rec.layers.values())
+    # decode after prefill, from the device KV cache
+    kv_h.commit(6), kv_d.commit(6)
+    np.testing.assert_allclose(dev.forward([11], kv_d)[0], host.forward([11], kv_h)[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method,gating", [("s2moe", False), ("s2moe", True), ("ar", False)])
+def test_greedy_output_is_identical_between_backends(loaded, device, method, gating):
+    outs = []
+    for arrays in (B.NUMPY, device):
+        engine = build_engine(loaded.path, "0.25", 256, None, loaded=loaded, backend=arrays)
+        spec = get_method(method, reuse_gating=gating if method == "s2moe" else None)
+        settings = SpecSettings(draft_topk=2, draft_cap=4, reuse_cap=8, utility_threshold=0.0, backoff=False)
+        outs.append(SpeculativeDecoder(engine.model, spec, settings, UNUSED).generate([5, 99, 1000, 42], 16).tokens)
+        engine.close()
+    assert outs[0] == outs[1] and len(outs[0]) == 16
+
+
+def test_budget_holds_in_device_memory_and_copies_go_through_the_copy_stream(loaded, device):
+    engine = build_engine(loaded.path, "0.25", 256, None, loaded=loaded, backend=device)
+    cache = engine.cache
+    SpeculativeDecoder(engine.model, get_method("ar"), SpecSettings(draft_topk=2), UNUSED).generate([5, 99, 1000], 12)
+    assert cache.peak_resident_bytes <= cache.capacity
+    held = list(cache.held.values())
+    assert held and all(isinstance(w.gate, fake_cupy.DeviceArray) and isinstance(w.down, fake_cupy.DeviceArray)
+                        for w in held)
+    misses = sum(s.misses for s in cache.stats.values())
+    copies = device._copy_stream.recorded
+    assert len(copies) == misses  # every fetched expert was uploaded on the copy stream, with its event
+    waited = fake_cupy.module.cuda.default.waited
+    assert set(map(id, copies)) <= set(map(id, waited))  # and compute waited on each before using it
+    engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_other_families_run_on_the_device_path(tmp_path, device, family):
+    # per-head q/k norm; MLA with shared experts and sigmoid group routing; sinks, sliding window,
+    # biases and the clamped SwiGLU
+    model = load_model(tm.save(tm.build(family), tmp_path / family, fused=family == "gpt_oss"))
+    host, dev = MoEModel(model), MoEModel(model, backend=device)
+    tokens = [1, 5, 9, 2, 7]
+    ref, _ = host.forward(tokens, host.new_cache(8))
+    got, _ = dev.forward(tokens, dev.new_cache(8))
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+def test_start_up_estimates_run_on_the_device_path(loaded, device):
+    from s2moe.runtime.estimate import estimate_costs
+    from s2moe.runtime.routing import RoutingPolicy
+
+    engine = build_engine(loaded.path, "0.25", 64, None, loaded=loaded, backend=device)
+    costs = estimate_costs(engine.model, [5, 99, 1000, 42], RoutingPolicy(top_k=2))
+    assert costs.t_ar > 0 and costs.t_exp_miss >= costs.t_exp_hit > 0
+    engine.close()
