@@ -5,8 +5,8 @@
 Needs CuPy and a CUDA device; without them it says so and exits 2. It measures: the router top-k
 and fused reuse-aware gating kernels (one layer's routing for a decode batch and for a
 verification batch) vs the NumPy reference, medians over repetitions with CUDA events; then AR and
-S²-MoE decode tokens/s of the embedded model on the NumPy and CuPy backends at 100 % and 25 %
-budgets (`s2moe bench` logic, greedy, 4 default prompts × 32 tokens).
+S²-MoE decode tokens/s of the embedded model on the NumPy and CuPy backends (CuPy with the file and
+the pinned-host tier) at 100 % and 25 % budgets (greedy, 4 default prompts × 32 tokens).
 """
 
 from __future__ import annotations
@@ -43,18 +43,18 @@ def decode_records() -> list:
     prompts = [tok.encode(p).ids[:64] for p in load_workload(os.path.join(ROOT, "runtime", "assets", "prompts",
                                                                           "default.jsonl"))[:4]]
     records = []
-    for backend in ("numpy", "cupy"):
+    for backend, tier in (("numpy", "file"), ("cupy", "file"), ("cupy", "host")):
         arrays = select_backend(backend)
         for budget in ("1.0", "0.25"):
-            engine = build_engine(loaded.path, budget, 512, None, loaded=loaded, backend=arrays)
+            engine = build_engine(loaded.path, budget, 512, None, loaded=loaded, backend=arrays, offload_tier=tier)
             settings = SpecSettings(draft_topk=2)
             costs = estimate_costs(engine.model, prompts[0], RoutingPolicy(top_k=2))
             for method in ("ar", "s2moe"):
                 dec = SpeculativeDecoder(engine.model, get_method(method), settings, costs)
                 dec.generate(prompts[0], 4)  # warm-up: kernels compile, hot experts load
                 rates = [dec.generate(ids, 32).stats()["decode_tokens_per_s"] for ids in prompts]
-                records.append(Record("gpu", f"{method} decode, {backend}, budget {budget}", "tok/s", rates,
-                                      {"backend": backend, "budget": budget, "method": method}))
+                records.append(Record("gpu", f"{method} decode, {backend}, {tier} tier, budget {budget}", "tok/s",
+                                      rates, {"backend": backend, "tier": tier, "budget": budget, "method": method}))
             engine.close()
     return records
 

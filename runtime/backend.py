@@ -10,9 +10,12 @@ and routing. A pass has exactly these device → host reads (the synchronisation
   implementation for both backends); experts and mixture weights go back up asynchronously;
 - at the end, the logits [T or 1, V] for sampling and acceptance.
 
-Expert weights reach the device through `Backend.upload_expert` on a separate copy stream with one
-event per expert; `wait` makes the compute stream wait for that event only, so the next expert's
-copy overlaps the current expert's compute (the cache fetches a layer's misses together).
+Expert weights reach the device through `Backend.upload_expert`: decoded weights are staged in
+pinned host memory (orin mode: file → pinned → device; in rtx4090 mode, `HostTier`, they already
+live there) and copied on a separate stream with one event per expert; `wait` makes the compute
+stream wait for that event only, so the next expert's copy overlaps the current expert's compute
+(the cache fetches a layer's misses together). Device copies are C-ordered (cuBLAS transposes for
+free; the input-major host layout is a CPU-BLAS concern).
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ class Backend:
     xp: Any
     reason: str  # why this backend (for the run summary)
     host_reads: int = 0  # device → host copies so far (the synchronisations)
+    empty_pinned: Any = field(default=None, repr=False)  # page-locked host allocator (cupyx.empty_pinned)
     _copy_stream: Any = field(default=None, repr=False)
+    _in_flight: list = field(default_factory=list, repr=False)  # (event, staging buffers) until copied
 
     @property
     def on_device(self) -> bool:
@@ -73,6 +78,12 @@ class Backend:
         if self.on_device:
             self.xp.cuda.get_current_stream().synchronize()
 
+    def pin(self, a: np.ndarray) -> np.ndarray:
+        """A C-ordered copy of ``a`` in page-locked host memory (asynchronous copies need it)."""
+        buf = self.empty_pinned(a.shape, a.dtype) if self.empty_pinned else np.empty(a.shape, a.dtype)
+        buf[...] = a
+        return buf
+
     def upload_expert(self, w):
         """Host `ExpertWeights` → device, copied on the copy stream; the result carries the event
         its consumer must wait for (`wait`). Identity on NumPy."""
@@ -81,10 +92,19 @@ class Backend:
         xp = self.xp
         if self._copy_stream is None:
             self._copy_stream = xp.cuda.Stream(non_blocking=True)
-        with self._copy_stream:
-            parts = {name: None if a is None else xp.asarray(a) for name, a in _parts(w).items()}
-            event = self._copy_stream.record()
-        return replace(w, **parts, ready=event)
+        self._in_flight = [(e, bufs) for e, bufs in self._in_flight if not e.done]  # staging buffers free again
+        staged, parts = [], {}
+        for name, a in _parts(w).items():
+            if a is None:
+                parts[name] = None
+                continue
+            src = a if getattr(w, "pinned", False) else self.pin(a)  # rtx4090 mode: already pinned
+            staged.append(src)
+            parts[name] = xp.empty(a.shape, a.dtype)
+            parts[name].set(src, stream=self._copy_stream)
+        event = self._copy_stream.record()
+        self._in_flight.append((event, staged))
+        return replace(w, **parts, ready=event, pinned=False)
 
     def wait(self, w) -> None:
         """Make the compute stream wait until ``w``'s copy has landed (no host sync)."""
@@ -129,5 +149,11 @@ def select_backend(name: str = "auto", module=None) -> Backend:
                 raise UsageError(f"--backend cupy: {reason}; use --backend numpy or auto")
             return Backend("numpy", np, f"auto: {reason}")
         import cupy as module
+        import cupyx
+
+        empty_pinned = cupyx.empty_pinned
+    else:
+        empty_pinned = getattr(module, "empty_pinned", None)
     _register(module.ndarray, module)
-    return Backend("cupy", module, "requested" if name == "cupy" else "auto: CUDA device found")
+    return Backend("cupy", module, "requested" if name == "cupy" else "auto: CUDA device found",
+                   empty_pinned=empty_pinned)

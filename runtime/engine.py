@@ -30,12 +30,16 @@ class Engine:
     def report(self) -> dict:
         r = {"budget": self.budget.describe(), "memory": self.plan.to_dict(), "cache": self.cache.report()}
         r["direct_io"] = all(self.cache.store.direct_files.values()) if self.cache.store.direct_files else None
+        r["offload_tier"] = getattr(self.cache.store, "tier", "file")
         if self.emulation.active:
             r["emulation"] = self.emulation.describe()
         return r
 
     def close(self) -> None:
         self.cache.store.close()
+
+
+OFFLOAD_TIERS = ("file", "host")
 
 
 def read_hot_experts(path: str, loaded: LoadedModel) -> list[tuple[int, int]]:
@@ -82,7 +86,10 @@ def build_engine(
     loaded: LoadedModel | None = None,
     fetch_threads: int | None = None,
     backend: Backend = NUMPY,
+    offload_tier: str = "file",
 ) -> Engine:
+    """``offload_tier``: "file" reads missing experts from the model file (Orin: SSD → pinned →
+    device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device)."""
     loaded = loaded or load_model(model_path)
     parsed = Budget.parse(budget)
     plan = plan_memory(loaded, parsed, kv_positions)
@@ -91,8 +98,14 @@ def build_engine(
     if emulate_latency < 0:
         raise UsageError(f"--emulate-latency must be >= 0 µs (got {emulate_latency})")
     emulation = Emulation(emulate_bandwidth, emulate_latency)
+    if offload_tier not in OFFLOAD_TIERS:
+        raise UsageError(f"--offload-tier {offload_tier!r}: choose from {', '.join(OFFLOAD_TIERS)}")
     store = ExpertStore(loaded, direct=direct_io, emulation=emulation,
                         **({"threads": fetch_threads} if fetch_threads else {}))
+    if offload_tier == "host":
+        from .host_tier import HostTier
+
+        store = HostTier(store, backend)
     full = plan.expert_capacity >= plan.expert_total
     hot = read_hot_experts(hot_experts, loaded) if isinstance(hot_experts, str) else list(hot_experts or [])
     size = lambda key: loaded.experts[key].resident_bytes  # noqa: E731

@@ -27,6 +27,7 @@ class ExpertWeights:
     up_bias: np.ndarray | None = None  # [I]
     down_bias: np.ndarray | None = None  # [H]
     ready: object = None  # device backends: the copy-stream event to wait for before use
+    pinned: bool = False  # host arrays already in page-locked memory (HostTier)
 
     @property
     def nbytes(self) -> int:

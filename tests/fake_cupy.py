@@ -53,8 +53,16 @@ class DeviceArray(np.ndarray):
 
     __int__ = __float__ = __bool__ = __iter__ = item = tolist = _sync
 
+    def set(self, arr, stream=None):  # host → device copy (CuPy: asynchronous on ``stream``)
+        if type(arr) is not np.ndarray or arr.shape != self.shape:
+            raise TypeError("set() takes a host array of the same shape")
+        module.copies.append((stream, arr))
+        self.view(np.ndarray)[...] = arr
+
 
 class Event:
+    done = True
+
     def __init__(self, stream):
         self.stream = stream
 
@@ -89,6 +97,8 @@ def _make_module() -> types.ModuleType:
     m.ndarray = DeviceArray
     m.host_reads = 0
     m.uploads = 0
+    m.copies = []  # (stream, host array) of every set()
+    m.empty_pinned = lambda shape, dtype=np.float32: np.empty(shape, dtype)
 
     def asarray(a, dtype=None):
         if isinstance(a, DeviceArray) and dtype is None:
@@ -105,13 +115,13 @@ def _make_module() -> types.ModuleType:
 
         def call(*args, **kwargs):
             for a in list(args) + list(kwargs.values()):
-                if type(a) is np.ndarray and a.ndim > 0 and name not in ("zeros", "empty"):
+                if type(a) is np.ndarray and a.ndim > 0:
                     raise MixedMemory(f"fake_cupy.{name}: got a host array {a.shape}")
             result = fn(*(_host(a) for a in args), **{k: _host(v) for k, v in kwargs.items()})
             return _device(result) if isinstance(result, np.ndarray) else result
         return call
 
-    for name in ("zeros", "zeros_like", "empty_like", "where", "exp", "mean", "sqrt", "maximum", "minimum", "clip",
+    for name in ("empty", "zeros", "zeros_like", "empty_like", "where", "exp", "mean", "sqrt", "maximum", "minimum", "clip",
                  "concatenate", "ascontiguousarray"):
         setattr(m, name, delegate(name))
     m.asarray, m.asnumpy = asarray, asnumpy

@@ -84,7 +84,24 @@ def test_budget_holds_in_device_memory_and_copies_go_through_the_copy_stream(loa
     assert len(copies) == misses  # every fetched expert was uploaded on the copy stream, with its event
     waited = fake_cupy.module.cuda.default.waited
     assert set(map(id, copies)) <= set(map(id, waited))  # and compute waited on each before using it
+    assert {stream for stream, _ in fake_cupy.module.copies[-3 * misses:]} == {device._copy_stream}
     engine.close()
+
+
+def test_host_tier_serves_pinned_experts_and_decodes_the_same(loaded, device):
+    outs = []
+    for tier in ("file", "host"):
+        engine = build_engine(loaded.path, "0.25", 256, None, loaded=loaded, backend=device, offload_tier=tier)
+        dec = SpeculativeDecoder(engine.model, get_method("ar"), SpecSettings(draft_topk=2), UNUSED)
+        outs.append(dec.generate([5, 99, 1000], 12).tokens)
+        assert engine.report()["offload_tier"] == tier
+        engine.close()
+    assert outs[0] == outs[1]
+    store = build_engine(loaded.path, "0.25", 64, None, loaded=loaded, backend=device, offload_tier="host").cache.store
+    w = store.read_many(0, [3])[0]
+    assert w.pinned and type(w.gate) is np.ndarray and w.gate.flags.c_contiguous  # staged copies skip a memcpy
+    with pytest.raises(UsageError, match="--offload-tier 'ssd'"):
+        build_engine(loaded.path, "0.25", 64, None, loaded=loaded, offload_tier="ssd")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -27,6 +27,8 @@ def bench(
     seed: Optional[int] = typer.Option(0, "--seed"),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated request latency µs."),
+    backend: str = typer.Option("auto", "--backend", help="auto (CuPy when a CUDA device is usable, else NumPy), numpy or cupy."),
+    offload_tier: str = typer.Option("file", "--offload-tier", help="file (SSD/disk) or host (pinned host RAM)."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the records (JSON) here; '-' for stdout."),
     csv_path: Optional[str] = typer.Option(None, "--csv", help="Write the records as CSV here."),
 ):
@@ -48,6 +50,10 @@ def bench(
 
         for name in names:
             get_method(name)  # fail fast on a typo
+        from ..backend import select_backend
+
+        arrays = select_backend(backend)
+        err.print(f"[dim]backend {arrays.name} ({arrays.reason})[/dim]")
         loaded = load_model(resolve_model(model))
         tok = load_tokenizer(loaded)
         chosen = apply_profile(profile, loaded, budget, None)
@@ -59,7 +65,8 @@ def bench(
             costs = chosen.profile.costs if chosen.profile is not None else None
             records = run_bench(loaded, tok, workload, names, chosen.budget, n_prompts, max_tokens, settings, costs,
                                 params, hot=chosen.hot_experts,
-                                engine_kw={"emulate_bandwidth": emulate_bandwidth, "emulate_latency": emulate_latency},
+                                engine_kw={"emulate_bandwidth": emulate_bandwidth, "emulate_latency": emulate_latency,
+                                           "backend": arrays, "offload_tier": offload_tier},
                                 progress=lambda name: progress.update(task, advance=1, description=name),
                                 estimate=estimate_costs)
         emulated = records[0].params.get("emulation")

@@ -36,6 +36,7 @@ def run(
     cache_policy: str = typer.Option("lfu", "--cache-policy", help="Replacement policy for non-pinned experts: lfu or lru."),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulate a slow tier of this many MB/s (what-if runs)."),
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated per-request latency in µs."),
+    offload_tier: Optional[str] = typer.Option(None, "--offload-tier", help="Where missing experts come from: file (SSD/disk, Orin) or host (all experts decoded once into pinned host RAM, RTX 4090). Default: the profile's tier, else file."),
     backend: str = typer.Option("auto", "--backend", help="auto (CuPy when a CUDA device is usable, else NumPy), numpy or cupy."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
@@ -63,7 +64,8 @@ def run(
             raise typer.BadParameter("the prompt encodes to no tokens", param_hint="--prompt")
         kv_positions = len(ids) + max_tokens + 2 * max(settings.draft_cap, 8) + 2
         engine = build_engine(loaded.path, chosen.budget, kv_positions, chosen.hot_experts, cache_policy,
-                              emulate_bandwidth, emulate_latency, loaded=loaded, backend=arrays)
+                              emulate_bandwidth, emulate_latency, loaded=loaded, backend=arrays,
+                              offload_tier=offload_tier or _profile_tier(chosen.profile))
         if engine.emulation.active:
             err.print(f"[yellow]{engine.emulation.describe()}: timings are not this machine's[/yellow]")
         costs = chosen.profile.costs if chosen.profile is not None else None
@@ -85,6 +87,11 @@ def run(
             return
         stream.finish()
         print_summary(stats)
+
+
+def _profile_tier(profile) -> str:
+    tier = ((profile.data.get("device") or {}).get("offload_tier") if profile is not None else None)
+    return "host" if tier == "host" else "file"
 
 
 def _per_token(report: dict, generated: int) -> dict:

@@ -35,11 +35,11 @@ def test_cupy_logits_match_numpy(loaded):
     assert np.abs(got - ref).max() <= 1e-4
 
 
-@pytest.mark.parametrize("method", ["ar", "s2moe"])
-def test_greedy_output_is_identical_between_backends(loaded, method):
+@pytest.mark.parametrize("method,tier", [("ar", "file"), ("s2moe", "file"), ("s2moe", "host")])
+def test_greedy_output_is_identical_between_backends(loaded, method, tier):
     outs = []
     for arrays in (NUMPY, select_backend("cupy")):
-        engine = build_engine(loaded.path, "0.25", 256, None, loaded=loaded, backend=arrays)
+        engine = build_engine(loaded.path, "0.25", 256, None, loaded=loaded, backend=arrays, offload_tier=tier)
         settings = SpecSettings(draft_topk=2, draft_cap=4, reuse_cap=8, utility_threshold=0.0, backoff=False)
         dec = SpeculativeDecoder(engine.model, get_method(method, reuse_gating=False if method == "s2moe" else None),
                                  settings, UNUSED)
