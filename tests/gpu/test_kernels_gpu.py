@@ -9,24 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from s2moe.runtime.backend import cuda_unusable_reason
 from s2moe.runtime.gating import ReuseGating
 from s2moe.runtime.routing import route
 
 
-def _gpu_reason() -> str | None:
-    try:
-        import cupy as cp
-    except ImportError:
-        return "CuPy is not installed (pip install 's2moe[cuda]')"
-    try:
-        if cp.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-    except Exception as exc:  # CUDARuntimeError without a driver
-        return f"no usable CUDA device ({exc.__class__.__name__})"
-    return None
-
-
-REASON = _gpu_reason()
+REASON = cuda_unusable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"GPU test: {REASON}")
 
 
