@@ -1,4 +1,4 @@
-"""The MoE transformer forward pass in NumPy (float32).
+"""The MoE transformer forward pass in float32, on NumPy or a device backend (runtime/backend.py).
 
 One batched call serves prefill, single-token decode and multi-token verification: tokens [T] at
 positions [start, start + T) attend to every cached position before them. Architecture details
@@ -78,8 +78,13 @@ class MoEModel:
         self.loaded = loaded
         self.config: ModelConfig = loaded.config
         self.backend = backend
-        # dense weights where the math runs (NumPy: the loaded arrays themselves, no copy)
-        self.W = {k: backend.to_device(v) for k, v in loaded.dense.items()} if backend.on_device else loaded.dense
+        # dense weights where the math runs (NumPy: the loaded arrays themselves, no copy); a tied
+        # head is the embedding array itself, uploaded once
+        self.W = loaded.dense
+        if backend.on_device:
+            uploaded: dict[int, object] = {}
+            self.W = {k: uploaded[id(v)] if id(v) in uploaded else uploaded.setdefault(id(v), backend.to_device(v))
+                      for k, v in loaded.dense.items()}
         if experts is None:  # full residency, buffered reads: the plain reference configuration
             from .cache import ExpertCache
             from .store import ExpertStore

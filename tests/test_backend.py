@@ -124,3 +124,11 @@ def test_start_up_estimates_run_on_the_device_path(loaded, device):
     costs = estimate_costs(engine.model, [5, 99, 1000, 42], RoutingPolicy(top_k=2))
     assert costs.t_ar > 0 and costs.t_exp_miss >= costs.t_exp_hit > 0
     engine.close()
+
+
+def test_a_tied_head_is_uploaded_once(loaded, device):
+    import dataclasses
+
+    dense = dict(loaded.dense, lm_head=loaded.dense["embed"])  # a tied model: one array, two names
+    model = MoEModel(dataclasses.replace(loaded, dense=dense), backend=device)
+    assert model.W["lm_head"] is model.W["embed"]
