@@ -65,7 +65,9 @@ def run(
         kv_positions = len(ids) + max_tokens + 2 * max(settings.draft_cap, 8) + 2
         engine = build_engine(loaded.path, chosen.budget, kv_positions, chosen.hot_experts, cache_policy,
                               emulate_bandwidth, emulate_latency, loaded=loaded, backend=arrays,
-                              offload_tier=offload_tier or _profile_tier(chosen.profile))
+                              offload_tier=offload_tier or _profile_tier(chosen.profile),
+                              fetch_threads=((chosen.profile.data.get("offload") or {}).get("fetch_threads")
+                                             if chosen.profile is not None else None))
         if engine.emulation.active:
             err.print(f"[yellow]{engine.emulation.describe()}: timings are not this machine's[/yellow]")
         costs = chosen.profile.costs if chosen.profile is not None else None
