@@ -49,20 +49,36 @@ def offload_bandwidth(store, loaded, reps: int = 6, tick: Tick = _noop, seed: in
             offset = rng.randrange(0, max(size - nbytes, 1)) // 4096 * 4096
             samples.append((nbytes, store.timed_read(path, offset, nbytes)))
             tick()
-    # fit the per-size medians: one slow outlier (a host-cache miss below the virtual disk, a
-    # scheduler hiccup) must not tilt the line
+    # a host-cache miss below the virtual disk or a scheduler hiccup is one slow outlier
+    return {**_fit_latency_bandwidth(samples, sizes), "request_sizes": sizes, "samples": samples}
+
+
+def _fit_latency_bandwidth(samples: list[tuple[int, float]], sizes: list[int]) -> dict:
+    """latency = a + bytes / BW over the per-size medians (one slow outlier must not tilt the line)."""
     x = np.array(sizes, dtype=np.float64)
     y = np.array([np.median([t for n, t in samples if n == size]) for size in sizes])
     slope, intercept = np.polyfit(x, y, 1)
     pred = slope * x + intercept
     r2 = 1 - ((y - pred) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-30)
-    return {
-        "bandwidth_mb_s": float(1 / slope / 1e6) if slope > 0 else float("inf"),
-        "latency_us": float(max(intercept, 0.0) * 1e6),
-        "fit_r2": float(r2),
-        "request_sizes": sizes,
-        "samples": samples,
-    }
+    return {"bandwidth_mb_s": float(1 / slope / 1e6) if slope > 0 else float("inf"),
+            "latency_us": float(max(intercept, 0.0) * 1e6), "fit_r2": float(r2)}
+
+
+def host_to_device(backend, expert_bytes: int, reps: int = 10, tick: Tick = _noop) -> dict:
+    """Pinned host → device copies on the backend's copy path at sizes around the expert size,
+    timed with CUDA events; fitted as latency = a + bytes / BW."""
+    sizes = sorted({max(4096, int(expert_bytes * f) // 4096 * 4096) for f in (0.25, 0.5, 1, 2, 4)})
+    xp = backend.xp
+    samples = []
+    for _ in range(reps):
+        for nbytes in sizes:
+            src = backend.pin(np.ones(nbytes // 4, dtype=np.float32))
+            dst = xp.empty(src.shape, src.dtype)
+            with backend.timed() as took:
+                dst.set(src)
+            samples.append((nbytes, took[0]))
+            tick()
+    return {**_fit_latency_bandwidth(samples, sizes), "request_sizes": sizes, "samples": samples}
 
 
 def _contexts(token_lists: list[list[int]], context: int, batch: int) -> list[tuple[list[int], list[int]]]:

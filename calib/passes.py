@@ -12,17 +12,20 @@ from .replay import CapturedPass, WeightPool, capture_passes
 @contextmanager
 def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spec: dict, costs,
                   emulation: dict | None, tokens: int, pool: WeightPool, progress=None,
-                  fetch_threads: int | None = None) -> Iterator[list[CapturedPass]]:
+                  fetch_threads: int | None = None, backend=None, offload_tier: str = "file"
+                  ) -> Iterator[list[CapturedPass]]:
     """Every verification pass of real S²-MoE decoding (reuse-aware gating on) at a budget, draft
     caps cycling 1..cap so every batch size occurs, captured for replay. The engine stays open
     (the passes replay on it) until the block ends."""
+    from s2moe.runtime.backend import NUMPY
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.methods import SpecSettings, get_method
     from s2moe.runtime.speculative import SpeculativeDecoder
 
     emulation = emulation or {}
     engine = build_engine(loaded.path, budget, 4096, hot, emulate_bandwidth=emulation.get("bandwidth_mb_s"),
-                          emulate_latency=emulation.get("latency_us") or 0.0, loaded=loaded, fetch_threads=fetch_threads)
+                          emulate_latency=emulation.get("latency_us") or 0.0, loaded=loaded, fetch_threads=fetch_threads,
+                          backend=backend or NUMPY, offload_tier=offload_tier)
     try:
         task = progress.add_task("decode passes (capture)", total=len(prompts)) if progress else None
         with capture_passes(engine.model, "verify", pool) as passes:

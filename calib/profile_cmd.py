@@ -81,6 +81,23 @@ def _resumable(samples_path: str, fresh: dict) -> dict:
 CONTROLLED_WEIGHT = 0.1
 
 
+def profile_backend(name: str, kind: str):
+    """``auto``: a CPU profile times the NumPy backend; a GPU profile CuPy when it is usable."""
+    from s2moe.runtime.backend import NUMPY, select_backend
+
+    return NUMPY if name == "auto" and kind == "cpu" else select_backend(name)
+
+
+def offload_tier_of(kind: str) -> str:
+    """The profile's name for where missing experts come from on this kind of device."""
+    return "file" if kind == "cpu" else ("host" if kind in ("cuda", "rtx4090") else "ssd")
+
+
+def runtime_tier(offload_tier: str) -> str:
+    """The engine's tier for a profile's: pinned host RAM, or the model file (SSD or disk)."""
+    return "host" if offload_tier == "host" else "file"
+
+
 def fit_cost_model(controlled: list[dict], decode: list[dict] = ()) -> tuple[VerificationCostModel, float, float]:
     samples = list(controlled) + list(decode)
     X = np.array([[s[f] for f in FEATURES] for s in samples], dtype=np.float64)
@@ -93,7 +110,8 @@ def fit_cost_model(controlled: list[dict], decode: list[dict] = ()) -> tuple[Ver
 def run_profile(model_path: str, device: str, budget: str | None, workload: str | None, out: str,
                 draft_topk: int | None, samples_n: int, emulate_bandwidth: float | None, emulate_latency: float,
                 fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False,
-                rounds: int = replay_mod.DEFAULT_ROUNDS) -> dict:
+                rounds: int = replay_mod.DEFAULT_ROUNDS, backend="auto") -> dict:
+    """``backend``: a name for `profile_backend`, or a `Backend` (tests pass a CPU stand-in)."""
     from s2moe.runtime.cache import ExpertCache
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.loader import load_model
@@ -102,6 +120,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     from s2moe.runtime.tokenizer import load_tokenizer
 
     kind, facts = resolve_device(device, model_path)
+    arrays = backend if not isinstance(backend, str) else profile_backend(backend, kind)
+    tier = runtime_tier(offload_tier_of(kind))
     loaded = load_model(model_path)
     c = loaded.config
     tok = load_tokenizer(loaded)
@@ -112,7 +132,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     samples_path = os.path.splitext(out)[0] + ".samples.json"
     gathered: dict = {"model": loaded.path, "device": kind, "budget": budget or "1.0",
                       "emulation": [emulate_bandwidth, emulate_latency], "fetch_threads": fetch_threads,
-                      "rounds": rounds}
+                      "rounds": rounds, "backend": arrays.name}
     if resume:
         gathered = _resumable(samples_path, gathered)
 
@@ -128,9 +148,18 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         bw = gathered.get("offload") or measure.offload_bandwidth(store, loaded, reps, lambda: progress.advance(t))
         progress.update(t, completed=reps * 5)
         keep("offload", bw)
+        if arrays.on_device:  # the device's own slow link: pinned host → device copies
+            t = progress.add_task("host → device copies", total=10 * 5)
+            h2d = gathered.get("host_to_device") or measure.host_to_device(
+                arrays, next(iter(loaded.experts.values())).resident_bytes, 10, lambda: progress.advance(t))
+            keep("host_to_device", h2d)
+        if tier == "host":
+            from s2moe.runtime.host_tier import HostTier
+
+            store = HostTier(store, arrays)
 
         # hot experts for the budget (traces run with no budget in the way)
-        model = MoEModel(loaded, ExpertCache(store, capacity_bytes=None))
+        model = MoEModel(loaded, ExpertCache(store, capacity_bytes=None, place=arrays.upload_expert), arrays)
         plan = plan_memory(loaded, Budget.parse(budget), 4096)
         t = progress.add_task("routing traces (hot experts)", total=len(profiling) + len(heldout))
         tick = lambda: progress.advance(t)  # noqa: E731
@@ -151,7 +180,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         for name, policy_for in (("t_ar", TARGET), ("c_draft", RoutingPolicy(top_k=draft_k))):
             if name not in steps:
                 engine = build_engine(loaded.path, budget, 4096, pinned, policy, emulate_bandwidth, emulate_latency,
-                                      loaded=loaded, fetch_threads=fetch_threads)
+                                      loaded=loaded, fetch_threads=fetch_threads, backend=arrays, offload_tier=tier)
                 steps[name] = measure.decode_step_times(engine.model, prompts, decode_tokens, policy_for, tick)
                 engine.close()
                 keep("decode_steps", steps)
@@ -178,7 +207,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
             placeholder = CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0)  # threshold 0: unused
             emu = {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
             with decode_passes(loaded, profiling[:16] if in_situ is None else [], budget, pinned, spec, placeholder,
-                               emu, 32, pool, progress, fetch_threads) as decoded:
+                               emu, 32, pool, progress, fetch_threads, arrays, tier) as decoded:
                 t = progress.add_task(f"replays ({rounds} rounds)", total=rounds * (len(controlled) + len(decoded)))
                 replay_mod.replay(controlled + decoded, pool, rounds, lambda: progress.advance(t))
             ver = ver if ver is not None else [p.sample() for p in controlled]
@@ -197,8 +226,9 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         "schema_version": 1,
         "source": "measured",
         "device": {"kind": kind, "name": facts["name"], "memory_bytes": facts.get("memory_bytes"),
-                   "offload_tier": "file" if kind == "cpu" else ("host" if kind in ("cuda", "rtx4090") else "ssd"),
-                   "how_measured": "numpy backend; O_DIRECT reads of the model file; perf_counter wall time",
+                   "offload_tier": offload_tier_of(kind), "backend": arrays.name,
+                   "how_measured": f"{arrays.name} backend; O_DIRECT reads of the model file; "
+                                   + ("CUDA-event timing" if arrays.on_device else "perf_counter wall time"),
                    "emulation": emulation.describe() if emulation.active else None, "facts": facts},
         "model": {"name": os.path.basename(loaded.path.rstrip("/")), "architecture": c.arch,
                   "fingerprint": model_fingerprint(loaded), "fingerprint_policy": "warn", "layers": c.num_layers,
@@ -210,6 +240,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         "offload": {"bandwidth_mb_s": round(bw["bandwidth_mb_s"], 3), "latency_us": round(bw["latency_us"], 3),
                     "fit_r2": round(bw["fit_r2"], 5), "fetch_threads": fetch_threads,
                     "request_sizes": bw["request_sizes"],
+                    **({"host_to_device_mb_s": round(h2d["bandwidth_mb_s"], 3),
+                        "host_to_device_latency_us": round(h2d["latency_us"], 3)} if arrays.on_device else {}),
                     "emulation": {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
                     if emulation.active else None},
         "cost_model": {"t_ar_ms": ar["median"] * ms, "t_ar_p90_ms": ar["p90"] * ms, "c_draft_ms": dr["median"] * ms,
@@ -263,6 +295,7 @@ def profile(
     draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token to time C_draft with."),
     samples: int = typer.Option(150, "--samples", min=10, help="Timed verification passes for the cost fit."),
     decode_tokens: int = typer.Option(24, "--decode-tokens", min=4, help="Decode steps per prompt for T_AR / C_draft."),
+    backend: str = typer.Option("auto", "--backend", help="Backend to time: auto (NumPy for --device cpu, else CuPy when usable), numpy or cupy."),
     rounds: int = typer.Option(replay_mod.DEFAULT_ROUNDS, "--rounds", min=1,
                                help="Interleaved replays per timed pass; its time is the fastest."),
     fetch_threads: int = typer.Option(8, "--fetch-threads", min=1, help="Concurrent expert reads (the runtime's default is 8; the profile records it and validate uses it)."),
@@ -279,7 +312,8 @@ def profile(
         target = out or os.path.join("profiles", f"{device}-{name}.json")
         try:
             data = run_profile(path, device, budget, workload, target, draft_topk, samples, emulate_bandwidth,
-                               emulate_latency, fetch_threads, decode_tokens, resume=resume, rounds=rounds)
+                               emulate_latency, fetch_threads, decode_tokens, resume=resume, rounds=rounds,
+                               backend=backend)
         except KeyboardInterrupt:
             samples_path = os.path.splitext(target)[0] + ".samples.json"
             err.print(f"interrupted: {target} is unchanged; samples so far are in {samples_path}; "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import gc
 import random
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -95,11 +94,10 @@ def capture_passes(model: MoEModel, phase: str, pool: WeightPool) -> Iterator[li
             pool.offer(key, cache.held[key])
         stats = cache.stats[phase]
         misses, hits = stats.misses, stats.hits
-        t0 = time.perf_counter()
-        out = original(tokens, kv, start=start, **kwargs)
-        took = time.perf_counter() - t0
+        with model.backend.timed() as took:
+            out = original(tokens, kv, start=start, **kwargs)
         p = CapturedPass(model, [int(t) for t in tokens], start, kv, resident, stats.misses - misses, stats.hits - hits,
-                         dict(kwargs), took, policy_state=policy_state)
+                         dict(kwargs), took[0], policy_state=policy_state)
         captured.append(p)
         return out
 
@@ -150,9 +148,9 @@ def replay(passes: list[CapturedPass], pool: WeightPool, rounds: int = DEFAULT_R
             with cache.in_phase("replay"):
                 gc.disable()  # a collection inside a 3 ms pass is a 10 % error
                 try:
-                    t0 = time.perf_counter()
-                    p.model.forward(p.tokens, scratch, start=p.start, **p.forward_kwargs)
-                    p.times.append(time.perf_counter() - t0)
+                    with p.model.backend.timed() as took:
+                        p.model.forward(p.tokens, scratch, start=p.start, **p.forward_kwargs)
+                    p.times.append(took[0])
                 finally:
                     gc.enable()
             if (stats.misses - misses, stats.hits - hits) != (p.n_missing, p.n_resident):

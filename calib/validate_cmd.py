@@ -34,12 +34,15 @@ def measured_passes(profile, loaded, tok, workload: str | None, n_prompts: int, 
     from .profile_cmd import _workload_tokens
 
     _, heldout, _ = _workload_tokens(tok, workload)
+    from .profile_cmd import profile_backend, runtime_tier
+
     same_model = profile.data["model"]["fingerprint"] == model_fingerprint(loaded)
-    offload = profile.data.get("offload") or {}
+    offload, device = profile.data.get("offload") or {}, profile.data["device"]
+    arrays = profile_backend(device.get("backend") or "numpy", device["kind"])  # as the profile was measured
     pool = WeightPool()
     with decode_passes(loaded, heldout[:n_prompts], profile.budget_spec, profile.hot_experts if same_model else None,
                        profile.speculative, profile.costs, offload.get("emulation"), tokens, pool, progress,
-                       offload.get("fetch_threads")) as passes:
+                       offload.get("fetch_threads"), arrays, runtime_tier(device["offload_tier"])) as passes:
         task = progress.add_task(f"replays ({rounds} rounds)", total=rounds * len(passes)) if progress else None
         replay(passes, pool, rounds, (lambda: progress.advance(task)) if progress else (lambda: None))
     return passes

@@ -20,8 +20,10 @@ free; the input-major host layout is a CPU-BLAS concern).
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -72,6 +74,24 @@ class Backend:
             return a
         self.host_reads += 1
         return self.xp.asnumpy(a)
+
+    @contextmanager
+    def timed(self) -> Iterator[list]:
+        """``with backend.timed() as t: …`` leaves the block's seconds in ``t[0]``: CUDA events on
+        the compute stream on a device (its work is asynchronous), ``perf_counter`` on the host."""
+        box = [0.0]
+        if not self.on_device:
+            t0 = time.perf_counter()
+            yield box
+            box[0] = time.perf_counter() - t0
+            return
+        cuda = self.xp.cuda
+        start, end = cuda.Event(), cuda.Event()
+        start.record()
+        yield box
+        end.record()
+        end.synchronize()
+        box[0] = cuda.get_elapsed_time(start, end) / 1e3  # ms → s
 
     def synchronize(self) -> None:
         """Wait for the compute stream (timing only; decoding never needs it)."""

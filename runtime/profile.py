@@ -45,6 +45,7 @@ SCHEMA: dict = {
                 "name": {"type": "string"},
                 "memory_bytes": _opt({"type": "integer", "minimum": 0}),
                 "offload_tier": {"enum": ["ssd", "host", "file"]},
+                "backend": {"enum": ["numpy", "cupy"]},
                 "how_measured": {"type": "string"},
                 "emulation": {"type": ["string", "null"]},
                 "facts": {"type": "object"},
@@ -78,7 +79,7 @@ SCHEMA: dict = {
             "properties": {
                 "bandwidth_mb_s": _pos, "latency_us": _nonneg, "fit_r2": _opt(_num),
                 "fetch_threads": {"type": "integer", "minimum": 1}, "request_sizes": {"type": "array"},
-                "host_to_device_mb_s": _opt(_pos),
+                "host_to_device_mb_s": _opt(_pos), "host_to_device_latency_us": _opt(_nonneg),
             },
         },
         "cost_model": {

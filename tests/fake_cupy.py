@@ -63,8 +63,17 @@ class DeviceArray(np.ndarray):
 class Event:
     done = True
 
-    def __init__(self, stream):
+    def __init__(self, stream=None):
         self.stream = stream
+        self.time = None
+
+    def record(self, stream=None):
+        import time
+
+        self.time = time.perf_counter()
+
+    def synchronize(self):
+        pass
 
 
 class Stream:
@@ -126,7 +135,8 @@ def _make_module() -> types.ModuleType:
         setattr(m, name, delegate(name))
     m.asarray, m.asnumpy = asarray, asnumpy
     m.inf = np.inf
-    cuda = types.SimpleNamespace(Stream=Stream, current=[], default=Stream())
+    cuda = types.SimpleNamespace(Stream=Stream, Event=Event, current=[], default=Stream())
+    cuda.get_elapsed_time = lambda start, end: (end.time - start.time) * 1e3
     cuda.get_current_stream = lambda: cuda.current[-1] if cuda.current else cuda.default
     cuda.runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
     m.cuda = cuda

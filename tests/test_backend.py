@@ -132,3 +132,28 @@ def test_a_tied_head_is_uploaded_once(loaded, device):
     dense = dict(loaded.dense, lm_head=loaded.dense["embed"])  # a tied model: one array, two names
     model = MoEModel(dataclasses.replace(loaded, dense=dense), backend=device)
     assert model.W["lm_head"] is model.W["embed"]
+
+
+def test_profile_and_validate_on_the_device_path(tiny_model_dirs, tmp_path, device, monkeypatch):
+    """The GPU calibration path (CuPy backend, CUDA-event timing, host → device copies) end to end."""
+    import os
+
+    from s2moe.calib import profile_cmd, validate_cmd
+    from s2moe.runtime.profile import load_profile, save_profile
+    from s2moe.runtime.tokenizer import load_tokenizer
+
+    workload = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
+    _, folder, _ = tiny_model_dirs["olmoe"]
+    out = tmp_path / "gpu.json"
+    data = profile_cmd.run_profile(folder, "cpu", "0.5", workload, str(out), None, 12, None, 0.0, 1, 4, rounds=2,
+                                   backend=device)
+    save_profile(str(out), data)  # the schema accepts what the device path writes
+    assert data["device"]["backend"] == "cupy" and "CUDA-event" in data["device"]["how_measured"]
+    assert data["offload"]["host_to_device_mb_s"] > 0 and data["cost_model"]["t_exp_miss_ms"] > 0
+    prof = load_profile(str(out))
+    monkeypatch.setattr(profile_cmd, "profile_backend", lambda name, kind: device)
+    loaded = load_model(folder)
+    passes = validate_cmd.measured_passes(prof, loaded, load_tokenizer(loaded), workload, 2, 8, 2)
+    assert passes and all(isinstance(p.kv.keys[0], fake_cupy.DeviceArray)
+                          for p in passes)
+    assert validate_cmd.evaluate(prof, [p.sample() for p in passes])["n"] == len(passes)
