@@ -6,7 +6,8 @@ Needs CuPy and a CUDA device; without them it says so and exits 2. It measures: 
 and fused reuse-aware gating kernels (one layer's routing for a decode batch and for a
 verification batch) vs the NumPy reference, medians over repetitions with CUDA events; then AR and
 S²-MoE decode tokens/s of the embedded model on the NumPy and CuPy backends (CuPy with the file and
-the pinned-host tier) at 100 % and 25 % budgets (greedy, 4 default prompts × 32 tokens).
+the pinned-host tier) at 100 % and 25 % budgets (greedy, 4 default prompts × 32 tokens); finally
+`s2moe-calib profile --backend cupy` and `validate` at 25 % (the profile lands beside the results).
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ def decode_records() -> list:
                                       rates, {"backend": backend, "tier": tier, "budget": budget, "method": method}))
             engine.close()
     return records
+
+
+def calibration_records(out: str) -> list:
+    """`s2moe-calib profile --backend cupy` + `validate` at 25 %: porting to this GPU, as a user would."""
+    import json
+
+    path = os.path.join(ROOT, out + "-profile.json")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "s2moe.calib", *a], capture_output=True, text=True,  # noqa: E731
+                                    cwd=ROOT)
+    r = run("profile", "--device", "auto", "--backend", "cupy", "--budget", "0.25", "--out", path)
+    if r.returncode:
+        print(f"GPU profile failed:\n{r.stderr[-2000:]}", file=sys.stderr)
+        return []
+    v = run("validate", "--profile", path, "--json", "--min-r2", "-1e9", "--max-mape", "1e9")
+    res = json.loads(v.stdout) if v.returncode == 0 else {}
+    prof = json.load(open(path))
+    extra = {"validate": res, "offload": prof["offload"], "cost_model": prof["cost_model"]}
+    return [Record("gpu", "calibration at 25 %: validate R²", "R²", [res.get("r2", float("nan"))], {"budget": "0.25"},
+                   extra),
+            Record("gpu", "calibration at 25 %: validate MAPE", "%", [res.get("mape_percent", float("nan"))],
+                   {"budget": "0.25"})]
 
 
 def main() -> None:
@@ -112,6 +134,7 @@ def main() -> None:
             records += [Record("gpu", f"fused reuse gating kernel, {name}", "µs", gpu, {"B": B, "E": E, "k": k}),
                         Record("gpu", f"reuse gating NumPy, {name}", "µs", cpu, {"B": B, "E": E, "k": k})]
     records += decode_records()
+    records += calibration_records(args.out)
     write_outputs(records, machine_info(), args.out, "csrc kernels and backends on the GPU")
     sys.exit(tests.returncode)
 

@@ -62,3 +62,24 @@ def test_expert_budget_holds_in_device_memory(loaded):
     # resident experts + dense weights + KV + transient activations (generous 64 MiB)
     assert pool.used_bytes() <= cache.capacity + dense + engine.model.new_cache(256).nbytes + (64 << 20)
     engine.close()
+
+
+def test_profile_on_the_gpu_measures_its_link_and_validates(tmp_path):
+    """`s2moe-calib profile --backend cupy` end to end: CUDA-event timing, pinned host → device
+    bandwidth, then the held-out validation through the same backend."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.json"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "s2moe.calib", *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=900)
+    r = run("profile", "--device", "auto", "--backend", "cupy", "--budget", "0.25", "--samples", "40",
+            "--rounds", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["device"]["backend"] == "cupy" and data["offload"]["host_to_device_mb_s"] > 1000
+    v = run("validate", "--profile", str(out), "--n-prompts", "4", "--rounds", "3", "--json", "--min-r2", "-1e9",
+            "--max-mape", "1e9")
+    assert v.returncode == 0, v.stderr
+    assert json.loads(v.stdout)["n"] >= 3
