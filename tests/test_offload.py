@@ -141,3 +141,29 @@ def test_direct_io_or_announced_fallback(olmoe_dir, capsys):
     (path, direct), = store.direct_files.items()
     if not direct:  # some file systems (tmpfs) refuse O_DIRECT: then it must have said so
         assert "O_DIRECT refused" in capsys.readouterr().err
+
+
+def test_lfu_heap_picks_the_same_victim_as_a_full_scan():
+    """The O(log n) victim equals the lowest decayed score (ties: least recent) of a full scan."""
+    from s2moe.runtime.cache import DecayedLFU
+
+    rng = np.random.default_rng(7)
+    lfu = DecayedLFU(half_life=64.0)
+    keys = [(L, e) for L in range(4) for e in range(16)]
+    evictions = 0
+    for step in range(4000):
+        key = keys[int(rng.zipf(1.3)) % len(keys)]  # skewed, like routing
+        lfu.access(key)
+        if key in lfu.resident:
+            continue
+        if len(lfu.resident) >= 20:
+            protected = {keys[int(i)] for i in rng.integers(0, len(keys), 3)}
+            candidates = [k for k in lfu.resident if k not in protected]
+            expected = min(candidates, key=lambda k: (lfu._score(k), lfu.last.get(k, 0)))
+            got = lfu.victim(protected)
+            assert got == expected, step
+            lfu.remove(got)
+            evictions += 1
+        lfu.insert(key)
+    assert evictions > 500
+    assert len(lfu._heap) <= 4 * len(lfu.resident) + 65  # superseded entries do not pile up
