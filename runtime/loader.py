@@ -83,6 +83,9 @@ class LoadedModel:
     expert_layout: str  # "per-expert" | "fused" | "merged" | "split"
     tokenizer_path: str | None = None
     gguf: object | None = field(default=None, repr=False)
+    # the model's own sampling defaults (temperature / top_k / top_p) where it asks to sample:
+    # generation_config.json with do_sample, or a GGUF's general.sampling.* keys
+    generation_defaults: dict = field(default_factory=dict)
 
     @property
     def dense_bytes(self) -> int:
@@ -164,7 +167,8 @@ def _load_hf(folder: str) -> LoadedModel:
     dense = _load_dense(config, res, T.load)
     experts, layout = _expert_refs(config, res, "hf", getattr(arch, "HF_EXPERTS", "split"))
     tok = os.path.join(folder, "tokenizer.json")
-    return LoadedModel(config, dense, experts, folder, "safetensors", layout, tok if os.path.exists(tok) else None)
+    return LoadedModel(config, dense, experts, folder, "safetensors", layout, tok if os.path.exists(tok) else None,
+                       generation_defaults=_generation_config(folder))
 
 
 def _load_gguf(path: str) -> LoadedModel:
@@ -193,7 +197,8 @@ def _load_gguf(path: str) -> LoadedModel:
         load = _unpermuting_loader(config)
     dense = _load_dense(config, res, load, tied_if_missing=True)
     experts, layout = _expert_refs(config, res, "gguf")
-    return LoadedModel(config, dense, experts, path, "gguf", layout, None, gguf=index)
+    return LoadedModel(config, dense, experts, path, "gguf", layout, None, gguf=index,
+                       generation_defaults=_gguf_sampling(index.metadata))
 
 
 def _unpermuting_loader(config: ModelConfig) -> Callable[[TensorRef], np.ndarray]:
@@ -251,6 +256,27 @@ def _layer_shapes(c: ModelConfig, L: int) -> dict[str, tuple[int, ...]]:
         I = c.dense_intermediate_size
         shapes.update(mlp_gate=(I, H), mlp_up=(I, H), mlp_down=(H, I))
     return shapes
+
+
+def _generation_config(folder: str) -> dict:
+    """Sampling defaults from generation_config.json, only when it asks to sample (do_sample);
+    a missing or unreadable file means none."""
+    try:
+        with open(os.path.join(folder, "generation_config.json")) as f:
+            gen = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(gen, dict) or not gen.get("do_sample"):
+        return {}
+    return {k: gen[k] for k in ("temperature", "top_k", "top_p") if gen.get(k) is not None}
+
+
+def _gguf_sampling(meta: dict) -> dict:
+    """llama.cpp's general.sampling.* keys, read back at their float32-shortest value."""
+    from .config import from_f32
+
+    keys = (("temperature", "temp"), ("top_k", "top_k"), ("top_p", "top_p"))
+    return {k: from_f32(meta[f"general.sampling.{g}"]) for k, g in keys if f"general.sampling.{g}" in meta}
 
 
 def _load_dense(

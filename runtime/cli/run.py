@@ -108,28 +108,9 @@ def _per_token(report: dict, generated: int) -> dict:
 def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed):
     """Flags win; otherwise the model's own defaults (generation_config.json with do_sample, or a
     GGUF's `general.sampling.*`), as transformers and llama.cpp do; otherwise greedy."""
-    import json
-    import os
-
     from ..sampling import SamplingParams
 
-    defaults = {}
-    path = os.path.join(loaded.path, "generation_config.json") if os.path.isdir(loaded.path) else None
-    if path and os.path.exists(path):
-        try:
-            with open(path) as f:
-                gen = json.load(f)
-            if gen.get("do_sample"):
-                defaults = {k: gen[k] for k in ("temperature", "top_k", "top_p") if gen.get(k) is not None}
-        except (OSError, ValueError):
-            pass
-    elif loaded.gguf is not None:
-        from ..config import from_f32
-
-        meta = loaded.gguf.metadata
-        defaults = {k: from_f32(meta[f"general.sampling.{g}"]) for k, g in (("temperature", "temp"), ("top_k", "top_k"),
-                                                                            ("top_p", "top_p"))
-                    if f"general.sampling.{g}" in meta}
+    defaults = loaded.generation_defaults
     pick = lambda flag, key, off: flag if flag is not None else defaults.get(key, off)  # noqa: E731
     return SamplingParams(float(pick(temperature, "temperature", 0.0)), int(pick(top_k, "top_k", 0)),
                           float(pick(top_p, "top_p", 1.0)), min_p, seed)

@@ -140,7 +140,7 @@ def write_gguf(
         _add_arch_metadata(w, c)
         if tokenizer_json:
             _add_tokenizer(w, tokenizer_json)
-        _add_sampling_defaults(w, model.path)
+        _add_sampling_defaults(w, model.generation_defaults)
         overrides = raw_overrides or {}
         for name, tensor, is_expert in _named_tensors(model, read_expert, split_experts):
             if name in overrides:
@@ -213,26 +213,15 @@ def _add_arch_metadata(w, c) -> None:
                 w.add_sliding_window_pattern(list(c.sliding_layers))
 
 
-def _add_sampling_defaults(w, folder: str) -> None:
-    """generation_config.json's sampling defaults as llama.cpp's `general.sampling.*` keys."""
-    import json
-
-    path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
-        return
-    try:
-        with open(path) as f:
-            gen = json.load(f)
-    except (OSError, ValueError):
-        return
-    if not gen.get("do_sample"):
-        return
-    if gen.get("temperature") is not None:
-        w.add_sampling_temp(float(gen["temperature"]))
-    if gen.get("top_p") is not None:
-        w.add_sampling_top_p(float(gen["top_p"]))
-    if gen.get("top_k"):
-        w.add_sampling_top_k(int(gen["top_k"]))
+def _add_sampling_defaults(w, defaults: dict) -> None:
+    """The model's sampling defaults (`LoadedModel.generation_defaults`) as llama.cpp's
+    `general.sampling.*` keys."""
+    if defaults.get("temperature") is not None:
+        w.add_sampling_temp(float(defaults["temperature"]))
+    if defaults.get("top_p") is not None:
+        w.add_sampling_top_p(float(defaults["top_p"]))
+    if defaults.get("top_k"):
+        w.add_sampling_top_k(int(defaults["top_k"]))
 
 
 def _add_tokenizer(w, tokenizer_json: str) -> None:
