@@ -47,7 +47,7 @@ class CapturedPass:
     forward_kwargs: dict = field(default_factory=dict)  # policy, positions, tree_mask, logits
     single_seconds: float | None = None  # the original pass's own wall time (decode passes only)
     policy_state: object = None  # the replacement policy before the pass: its evictions decide misses too
-    times: list[float] = field(default_factory=list)  # replay wall times, in round order
+    times: list[float] = field(default_factory=list)  # replay times in round order (CUDA events on a device)
 
     @property
     def seconds(self) -> float:
