@@ -24,6 +24,7 @@ from s2moe.runtime.cli.common import err, print_json, resolve_model
 from s2moe.runtime.cli.errors import cli_errors
 from s2moe.runtime.cli.spec_options import default_draft_topk
 from s2moe.runtime.cost_model import FEATURES, VerificationCostModel
+from s2moe.runtime.engine import engine_tier
 from s2moe.runtime.errors import UsageError
 from s2moe.runtime.profile import model_fingerprint, save_profile, write_json_atomic
 from s2moe.runtime.records import git_commit
@@ -93,11 +94,6 @@ def offload_tier_of(kind: str) -> str:
     return "file" if kind == "cpu" else ("host" if kind in ("cuda", "rtx4090") else "ssd")
 
 
-def runtime_tier(offload_tier: str) -> str:
-    """The engine's tier for a profile's: pinned host RAM, or the model file (SSD or disk)."""
-    return "host" if offload_tier == "host" else "file"
-
-
 def fit_cost_model(controlled: list[dict], decode: list[dict] = ()) -> tuple[VerificationCostModel, float, float]:
     samples = list(controlled) + list(decode)
     X = np.array([[s[f] for f in FEATURES] for s in samples], dtype=np.float64)
@@ -121,7 +117,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
 
     kind, facts = resolve_device(device, model_path)
     arrays = backend if not isinstance(backend, str) else profile_backend(backend, kind)
-    tier = runtime_tier(offload_tier_of(kind))
+    tier = engine_tier(offload_tier_of(kind))
     loaded = load_model(model_path)
     c = loaded.config
     tok = load_tokenizer(loaded)

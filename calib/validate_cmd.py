@@ -34,7 +34,9 @@ def measured_passes(profile, loaded, tok, workload: str | None, n_prompts: int, 
     from .profile_cmd import _workload_tokens
 
     _, heldout, _ = _workload_tokens(tok, workload)
-    from .profile_cmd import profile_backend, runtime_tier
+    from s2moe.runtime.engine import engine_tier
+
+    from .profile_cmd import profile_backend
 
     same_model = profile.data["model"]["fingerprint"] == model_fingerprint(loaded)
     offload, device = profile.data.get("offload") or {}, profile.data["device"]
@@ -42,7 +44,7 @@ def measured_passes(profile, loaded, tok, workload: str | None, n_prompts: int, 
     pool = WeightPool()
     with decode_passes(loaded, heldout[:n_prompts], profile.budget_spec, profile.hot_experts if same_model else None,
                        profile.speculative, profile.costs, offload.get("emulation"), tokens, pool, progress,
-                       offload.get("fetch_threads"), arrays, runtime_tier(device["offload_tier"])) as passes:
+                       offload.get("fetch_threads"), arrays, engine_tier(device["offload_tier"])) as passes:
         task = progress.add_task(f"replays ({rounds} rounds)", total=rounds * len(passes)) if progress else None
         replay(passes, pool, rounds, (lambda: progress.advance(task)) if progress else (lambda: None))
     return passes

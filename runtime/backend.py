@@ -104,6 +104,11 @@ class Backend:
         buf[...] = a
         return buf
 
+    def pin_expert(self, w):
+        """`ExpertWeights` with every part in pinned host memory (`HostTier`; copies skip staging)."""
+        parts = {name: None if a is None else self.pin(a) for name, a in _parts(w).items()}
+        return replace(w, **parts, pinned=True)
+
     def upload_expert(self, w):
         """Host `ExpertWeights` → device, copied on the copy stream; the result carries the event
         its consumer must wait for (`wait`). Identity on NumPy."""

@@ -231,6 +231,9 @@ class ExpertCache:
             return
         if self.capacity is not None and self.resident_bytes + weights.nbytes > self.capacity:
             raise UsageError(f"expert {key[1]} of layer {key[0]} does not fit the budget it was resident under")
+        self._keep(key, weights)
+
+    def _keep(self, key: Key, weights: ExpertWeights) -> None:
         self.held[key] = weights
         self.resident_bytes += weights.nbytes
         self.policy.insert(key)
@@ -275,9 +278,7 @@ class ExpertCache:
                 stats.bytes_read += self.store.stored_bytes(*key)
                 out[key] = w
                 if self._make_room(key, w.nbytes, protected):
-                    self.held[key] = w
-                    self.resident_bytes += w.nbytes
-                    self.policy.insert(key)
+                    self._keep(key, w)
                 else:
                     stats.streamed += 1
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)

@@ -42,6 +42,12 @@ class Engine:
 OFFLOAD_TIERS = ("file", "host")
 
 
+def engine_tier(profile_tier: str | None) -> str:
+    """The engine's tier for a profile's ``device.offload_tier``: pinned host RAM, else the model
+    file (SSD or disk)."""
+    return "host" if profile_tier == "host" else "file"
+
+
 def read_hot_experts(path: str, loaded: LoadedModel) -> list[tuple[int, int]]:
     """The published format ``{"gpu_experts": [[layer, expert], ...]}``, checked against the model."""
     try:

@@ -5,32 +5,16 @@ backend issues asynchronously on its copy stream. Behind the same `read_many` as
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from .budget import fmt_bytes
-from .errors import UsageError
-
 
 class HostTier:
     tier = "host"
 
-    def __init__(self, store, backend, host_limit_bytes: int | None = None):
-        need = sum(refs.resident_bytes for refs in store.refs.values())
-        if host_limit_bytes is not None and need > host_limit_bytes:
-            raise UsageError(f"--offload-tier host needs {fmt_bytes(need)} of host memory for the experts, "
-                             f"{fmt_bytes(host_limit_bytes)} is available; use --offload-tier file")
+    def __init__(self, store, backend):
         self.store = store
-        self.weights = {}
-        for layer, expert in sorted(store.refs):
-            w = store.read(layer, expert)
-            if not backend.on_device:  # NumPy computes from host memory as it is: nothing to pin
-                self.weights[layer, expert] = w
-                continue
-            parts = {name: None if a is None else backend.pin(a)
-                     for name, a in (("gate", w.gate), ("up", w.up), ("down", w.down), ("gate_bias", w.gate_bias),
-                                     ("up_bias", w.up_bias), ("down_bias", w.down_bias))}
-            self.weights[layer, expert] = replace(w, **parts, pinned=True)
-        self.nbytes = need
+        # NumPy computes from host memory as it is: nothing to pin
+        keep = backend.pin_expert if backend.on_device else (lambda w: w)
+        self.weights = {key: keep(store.read(*key)) for key in sorted(store.refs)}
+        self.nbytes = sum(refs.resident_bytes for refs in store.refs.values())
 
     def read_many(self, layer: int, experts: list[int]) -> list:
         return [self.weights[layer, e] for e in experts]

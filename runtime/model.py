@@ -83,8 +83,10 @@ class MoEModel:
         self.W = loaded.dense
         if backend.on_device:
             uploaded: dict[int, object] = {}
-            self.W = {k: uploaded[id(v)] if id(v) in uploaded else uploaded.setdefault(id(v), backend.to_device(v))
-                      for k, v in loaded.dense.items()}
+            for v in loaded.dense.values():
+                if id(v) not in uploaded:
+                    uploaded[id(v)] = backend.to_device(v)
+            self.W = {k: uploaded[id(v)] for k, v in loaded.dense.items()}
         if experts is None:  # full residency, buffered reads: the plain reference configuration
             from .cache import ExpertCache
             from .store import ExpertStore

@@ -43,7 +43,7 @@ def run(
     """Generate text with the model (S²-MoE self-speculative decoding by default)."""
     with cli_errors():
         from ..backend import select_backend
-        from ..engine import build_engine
+        from ..engine import build_engine, engine_tier
         from ..estimate import estimate_costs
         from ..loader import load_model
         from ..methods import get_method
@@ -65,7 +65,9 @@ def run(
         kv_positions = len(ids) + max_tokens + 2 * max(settings.draft_cap, 8) + 2
         engine = build_engine(loaded.path, chosen.budget, kv_positions, chosen.hot_experts, cache_policy,
                               emulate_bandwidth, emulate_latency, loaded=loaded, backend=arrays,
-                              offload_tier=offload_tier or _profile_tier(chosen.profile),
+                              offload_tier=offload_tier or engine_tier(
+                                  (chosen.profile.data.get("device") or {}).get("offload_tier")
+                                  if chosen.profile is not None else None),
                               fetch_threads=((chosen.profile.data.get("offload") or {}).get("fetch_threads")
                                              if chosen.profile is not None else None))
         if engine.emulation.active:
@@ -89,11 +91,6 @@ def run(
             return
         stream.finish()
         print_summary(stats)
-
-
-def _profile_tier(profile) -> str:
-    tier = ((profile.data.get("device") or {}).get("offload_tier") if profile is not None else None)
-    return "host" if tier == "host" else "file"
 
 
 def _per_token(report: dict, generated: int) -> dict:
