@@ -37,18 +37,9 @@ def tiny_tokenizer_json(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory, tiny_tokenizer_json):
     """family -> (torch model, per-expert folder, fused folder); folders carry the tokenizer."""
-    import shutil
+    from helpers import save_families
 
-    out = {}
-    for family in tm.FAMILIES:
-        model = tm.build(family)
-        base = tmp_path_factory.mktemp(family)
-        per_expert = tm.save(model, base / "per_expert", fused=False)
-        fused = tm.save(model, base / "fused", fused=True)
-        for folder in (per_expert, fused):
-            shutil.copy(tiny_tokenizer_json, os.path.join(folder, "tokenizer.json"))
-        out[family] = (model, per_expert, fused)
-    return out
+    return save_families(tm.FAMILIES, tmp_path_factory, tiny_tokenizer_json)
 
 
 @pytest.fixture

@@ -7,6 +7,52 @@ import numpy as np
 from s2moe.runtime.loader import load_model
 from s2moe.runtime.model import MoEModel
 
+TOL = 1e-4
+
+
+def save_families(families, tmp_path_factory, tokenizer_json: str) -> dict:
+    """family -> (torch model, per-expert folder, fused folder), each folder with the tokenizer
+    (GPT-OSS is fused either way)."""
+    import os
+    import shutil
+
+    import tiny_models as tm
+
+    out = {}
+    for family in families:
+        model = tm.build(family)
+        base = tmp_path_factory.mktemp(family)
+        folders = tm.save(model, base / "per_expert", fused=False), tm.save(model, base / "fused", fused=True)
+        for folder in folders:
+            shutil.copy(tokenizer_json, os.path.join(folder, "tokenizer.json"))
+        out[family] = (model, *folders)
+    return out
+
+
+def check_prefill_decode_verify(torch_model, path, rng, ref_model=None) -> MoEModel:
+    """Logits vs transformers: 16-token prefill, 8 single-token decodes, garbage draft writes past
+    the committed length, rollback into committed positions, then a 4-token verification batch."""
+    import tiny_models as tm
+
+    model = MoEModel(load_model(path))
+    ids = rng.integers(0, 380, 28)
+    ref = tm.torch_logits(ref_model or torch_model, ids)  # [28, V]
+    kv = model.new_cache(64)
+    logits, record = model.forward(ids[:16], kv)
+    kv.commit(16)
+    np.testing.assert_allclose(logits, ref[:16], atol=TOL, rtol=0)
+    assert set(record.layers) == set(model.config.moe_layer_ids)
+    for i in range(16, 24):
+        step, _ = model.forward(ids[i:i + 1], kv)
+        kv.commit(i + 1)
+        np.testing.assert_allclose(step[0], ref[i], atol=TOL, rtol=0)
+    model.forward(rng.integers(0, 380, 3), kv)  # garbage KV at 24..26, never committed
+    assert kv.filled == 27 and kv.length == 24
+    kv.rollback(20)  # drop 4 committed positions too: verification restarts at 20
+    verify, _ = model.forward(ids[20:24], kv)
+    np.testing.assert_allclose(verify, ref[20:24], atol=TOL, rtol=0)
+    return model
+
 
 def gguf_logits(path, ids) -> np.ndarray:
     """Prefill logits of a model file loaded fresh."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from helpers import assert_f32_gguf_matches, gguf_logits
+from helpers import TOL, assert_f32_gguf_matches, check_prefill_decode_verify, gguf_logits, save_families
 from s2moe.runtime.formats.gguf_writer import write_gguf
 from s2moe.runtime.formats.mxfp4 import dequantize_ggml, dequantize_hf
 from s2moe.runtime.loader import load_model
@@ -26,51 +26,19 @@ from s2moe.runtime.model import MoEModel
 from s2moe.runtime.routing import RoutingPolicy, route, softmax
 from s2moe.runtime.store import ExpertStore
 
-TOL = 1e-4
 DEEPSEEK = ("deepseek_v2", "deepseek_v2_plain", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
 def extra_dirs(tmp_path_factory, tiny_tokenizer_json):
-    """family -> (torch model, per-expert folder, fused folder); GPT-OSS is fused either way."""
-    out = {}
-    for family in tm.EXTRA_FAMILIES:
-        model = tm.build(family)
-        base = tmp_path_factory.mktemp(family)
-        folders = tm.save(model, base / "per_expert"), tm.save(model, base / "fused", fused=True)
-        for folder in folders:
-            shutil.copy(tiny_tokenizer_json, os.path.join(folder, "tokenizer.json"))
-        out[family] = (model, *folders)
-    return out
-
-
-def _check_prefill_decode_verify(torch_model, path, rng, ref_model=None):
-    """16-token prefill, 8 single-token decodes, garbage drafts, rollback, 4-token verification."""
-    model = MoEModel(load_model(path))
-    ids = rng.integers(0, 380, 28)
-    ref = tm.torch_logits(ref_model or torch_model, ids)
-    kv = model.new_cache(64)
-    logits, record = model.forward(ids[:16], kv)
-    kv.commit(16)
-    np.testing.assert_allclose(logits, ref[:16], atol=TOL, rtol=0)
-    assert set(record.layers) == set(model.config.moe_layer_ids)
-    for i in range(16, 24):
-        step, _ = model.forward(ids[i:i + 1], kv)
-        kv.commit(i + 1)
-        np.testing.assert_allclose(step[0], ref[i], atol=TOL, rtol=0)
-    model.forward(rng.integers(0, 380, 3), kv)  # draft-like writes past the committed length
-    assert kv.filled == 27 and kv.length == 24
-    kv.rollback(20)
-    verify, _ = model.forward(ids[20:24], kv)
-    np.testing.assert_allclose(verify, ref[20:24], atol=TOL, rtol=0)
-    return model
+    return save_families(tm.EXTRA_FAMILIES, tmp_path_factory, tiny_tokenizer_json)
 
 
 @pytest.mark.parametrize("family,layout", [(f, lay) for f in DEEPSEEK for lay in ("per_expert", "fused")]
                          + [("gpt_oss", "fused")])
 def test_prefill_decode_and_verify_after_rollback(extra_dirs, family, layout, rng):
     torch_model, per_expert, fused = extra_dirs[family]
-    model = _check_prefill_decode_verify(torch_model, per_expert if layout == "per_expert" else fused, rng)
+    model = check_prefill_decode_verify(torch_model, per_expert if layout == "per_expert" else fused, rng)
     expected = {"per_expert": "per-expert", "fused": "fused"}[layout] if family != "gpt_oss" else "interleaved"
     assert model.loaded.expert_layout == expected
 
@@ -142,7 +110,7 @@ def test_deepseek_v3_rope_on_halves(tmp_path, rng):
     torch_model = tm.build("deepseek_v3")
     torch_model.config.rope_interleave = False  # read at forward time; saved into config.json
     folder = tm.save(torch_model, tmp_path / "hf")
-    model = _check_prefill_decode_verify(torch_model, folder, rng)
+    model = check_prefill_decode_verify(torch_model, folder, rng)
     assert model.config.rope_interleave is False
     with pytest.raises(UsageError, match="adjacent RoPE pairs"):
         write_gguf(model.loaded, str(tmp_path / "m.gguf"), ExpertStore(model.loaded).read, "F32")
@@ -252,7 +220,7 @@ def test_mxfp4_safetensors_experts_match_transformers_dequantisation(extra_dirs,
 
     torch_model, folder, _ = extra_dirs["gpt_oss"]
     reference = _mxfp4_folder(torch_model, folder, tmp_path / "mxfp4", rng)
-    model = _check_prefill_decode_verify(None, str(tmp_path / "mxfp4"), rng, ref_model=reference)
+    model = check_prefill_decode_verify(None, str(tmp_path / "mxfp4"), rng, ref_model=reference)
     loaded = model.loaded
     c = loaded.config
     I, H = c.expert_intermediate_size, c.hidden_size
