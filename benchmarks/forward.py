@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument("--out", default="docs/results/forward")
     args = ap.parse_args()
 
-    from s2moe.runtime.loader import load_model
-    from s2moe.runtime.model import MoEModel, TimeSplit
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.model.forward import MoEModel, TimeSplit
 
     name = f"olmoe-h{args.hidden}-e{args.experts}k{args.top_k}-i{args.intermediate}-l{args.layers}"
     folder = os.path.join(args.workdir, name)

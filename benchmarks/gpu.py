@@ -28,16 +28,16 @@ from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E
 
 def decode_records() -> list:
     """AR and S²-MoE tokens/s per backend and budget (one process, interleaved per prompt)."""
-    from s2moe.runtime.backend import select_backend
+    from s2moe.runtime.kernels.backend import select_backend
     from s2moe.runtime.cli.common import DEFAULT_MODEL
     from s2moe.runtime.engine import build_engine
-    from s2moe.runtime.estimate import estimate_costs
-    from s2moe.runtime.loader import load_model
-    from s2moe.runtime.methods import SpecSettings, get_method
+    from s2moe.runtime.decoding.estimate import estimate_costs
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.decoding.methods import SpecSettings, get_method
     from s2moe.runtime.prompts import load_workload
-    from s2moe.runtime.routing import RoutingPolicy
-    from s2moe.runtime.speculative import SpeculativeDecoder
-    from s2moe.runtime.tokenizer import load_tokenizer
+    from s2moe.runtime.model.routing import RoutingPolicy
+    from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+    from s2moe.runtime.model.tokenizer import load_tokenizer
 
     loaded = load_model(str(DEFAULT_MODEL))
     tok = load_tokenizer(loaded)
@@ -95,9 +95,9 @@ def main() -> None:
               "pip install -e '.[dev,cuda]'", file=sys.stderr)
         sys.exit(2)
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu", "tests/test_csrc.py"], cwd=ROOT)
-    from s2moe.runtime.cuda_kernels import reuse_gating, router_topk
-    from s2moe.runtime.gating import ReuseGating
-    from s2moe.runtime.routing import route
+    from s2moe.runtime.kernels.cuda import reuse_gating, router_topk
+    from s2moe.runtime.decoding.gating import ReuseGating
+    from s2moe.runtime.model.routing import route
 
     rng = np.random.default_rng(0)
     records = []

@@ -74,9 +74,9 @@ def expert_fetch(store, loaded, rng, per_pass: int) -> float:
 
 def part_a(args, records):
     from s2moe.runtime.engine import build_engine
-    from s2moe.runtime.generate import generate_ar
-    from s2moe.runtime.loader import load_model
-    from s2moe.runtime.store import ExpertStore
+    from s2moe.runtime.decoding.generate import generate_ar
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.offload.store import ExpertStore
 
     name = f"olmoe-h{args.hidden}-e{args.experts}k{args.top_k}-i{args.intermediate}-l{args.layers}"
     folder = os.path.join(args.workdir, name)
@@ -123,10 +123,10 @@ def part_a(args, records):
 def part_b(args, records):
     from s2moe.runtime.cli.common import DEFAULT_MODEL
     from s2moe.runtime.engine import build_engine
-    from s2moe.runtime.generate import generate_ar
-    from s2moe.runtime.loader import load_model
+    from s2moe.runtime.decoding.generate import generate_ar
+    from s2moe.runtime.model.loader import load_model
     from s2moe.runtime.prompts import default_prompts
-    from s2moe.runtime.tokenizer import load_tokenizer
+    from s2moe.runtime.model.tokenizer import load_tokenizer
 
     if not (DEFAULT_MODEL / "config.json").exists():
         print("part B skipped: no embedded default model", file=sys.stderr)

@@ -39,11 +39,11 @@ def main() -> None:
     from s2moe.runtime.bench import run_bench
     from s2moe.runtime.cli.common import DEFAULT_MODEL
     from s2moe.runtime.cli.spec_options import make_settings
-    from s2moe.runtime.estimate import estimate_costs
-    from s2moe.runtime.loader import load_model
+    from s2moe.runtime.decoding.estimate import estimate_costs
+    from s2moe.runtime.model.loader import load_model
     from s2moe.runtime.profile import load_profile
-    from s2moe.runtime.sampling import SamplingParams
-    from s2moe.runtime.tokenizer import load_tokenizer
+    from s2moe.runtime.decoding.sampling import SamplingParams
+    from s2moe.runtime.model.tokenizer import load_tokenizer
 
     engine_kw = ({"emulate_bandwidth": args.emulate_bandwidth, "emulate_latency": args.emulate_latency}
                  if args.emulate_bandwidth else {})

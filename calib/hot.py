@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from s2moe.runtime.cache import ExpertCache
+from s2moe.runtime.offload.cache import ExpertCache
 
 Trace = list[list[tuple[int, list[int]]]]  # per token: [(layer, experts)]
 

@@ -18,11 +18,11 @@ from typing import Callable
 
 import numpy as np
 
-from s2moe.runtime.generate import generate_ar
-from s2moe.runtime.kv_cache import KVCache
-from s2moe.runtime.model import MoEModel
-from s2moe.runtime.gating import ReuseGating
-from s2moe.runtime.routing import TARGET, RoutingPolicy
+from s2moe.runtime.decoding.generate import generate_ar
+from s2moe.runtime.model.kv_cache import KVCache
+from s2moe.runtime.model.forward import MoEModel
+from s2moe.runtime.decoding.gating import ReuseGating
+from s2moe.runtime.model.routing import TARGET, RoutingPolicy
 
 from .replay import CapturedPass, WeightPool
 

@@ -17,10 +17,10 @@ def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spe
     """Every verification pass of real S²-MoE decoding (reuse-aware gating on) at a budget, draft
     caps cycling 1..cap so every batch size occurs, captured for replay. The engine stays open
     (the passes replay on it) until the block ends."""
-    from s2moe.runtime.backend import NUMPY
+    from s2moe.runtime.kernels.backend import NUMPY
     from s2moe.runtime.engine import build_engine
-    from s2moe.runtime.methods import SpecSettings, get_method
-    from s2moe.runtime.speculative import SpeculativeDecoder
+    from s2moe.runtime.decoding.methods import SpecSettings, get_method
+    from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
     emulation = emulation or {}
     engine = build_engine(loaded.path, budget, 4096, hot, emulate_bandwidth=emulation.get("bandwidth_mb_s"),

@@ -19,16 +19,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from s2moe import __version__
-from s2moe.runtime.budget import Budget, plan_memory
+from s2moe.runtime.offload.memory import Budget, plan_memory
 from s2moe.runtime.cli.common import err, print_json, resolve_model
 from s2moe.runtime.cli.errors import cli_errors
 from s2moe.runtime.cli.spec_options import default_draft_topk
-from s2moe.runtime.cost_model import FEATURES, VerificationCostModel
+from s2moe.runtime.decoding.cost_model import FEATURES, VerificationCostModel
 from s2moe.runtime.engine import engine_tier
 from s2moe.runtime.errors import UsageError
 from s2moe.runtime.profile import model_fingerprint, save_profile, write_json_atomic
 from s2moe.runtime.records import git_commit
-from s2moe.runtime.routing import TARGET, RoutingPolicy
+from s2moe.runtime.model.routing import TARGET, RoutingPolicy
 
 from . import hot as hot_mod
 from . import measure
@@ -84,7 +84,7 @@ CONTROLLED_WEIGHT = 0.1
 
 def profile_backend(name: str, kind: str):
     """``auto``: a CPU profile times the NumPy backend; a GPU profile CuPy when it is usable."""
-    from s2moe.runtime.backend import NUMPY, select_backend
+    from s2moe.runtime.kernels.backend import NUMPY, select_backend
 
     return NUMPY if name == "auto" and kind == "cpu" else select_backend(name)
 
@@ -108,12 +108,12 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                 fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False,
                 rounds: int = replay_mod.DEFAULT_ROUNDS, backend="auto") -> dict:
     """``backend``: a name for `profile_backend`, or a `Backend` (tests pass a CPU stand-in)."""
-    from s2moe.runtime.cache import ExpertCache
+    from s2moe.runtime.offload.cache import ExpertCache
     from s2moe.runtime.engine import build_engine
-    from s2moe.runtime.loader import load_model
-    from s2moe.runtime.model import MoEModel
-    from s2moe.runtime.store import Emulation, ExpertStore
-    from s2moe.runtime.tokenizer import load_tokenizer
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.model.forward import MoEModel
+    from s2moe.runtime.offload.store import Emulation, ExpertStore
+    from s2moe.runtime.model.tokenizer import load_tokenizer
 
     kind, facts = resolve_device(device, model_path)
     arrays = backend if not isinstance(backend, str) else profile_backend(backend, kind)
@@ -150,7 +150,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                 arrays, next(iter(loaded.experts.values())).resident_bytes, 10, lambda: progress.advance(t))
             keep("host_to_device", h2d)
         if tier == "host":
-            from s2moe.runtime.host_tier import HostTier
+            from s2moe.runtime.offload.host_tier import HostTier
 
             store = HostTier(store, arrays)
 
@@ -197,7 +197,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         # (eviction, streaming, gating) the model must predict; validate uses the other half
         in_situ = gathered.get("decode_verification")
         if in_situ is None or ver is None:
-            from s2moe.runtime.cost_model import CostConstants
+            from s2moe.runtime.decoding.cost_model import CostConstants
 
             spec = {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k}
             placeholder = CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0)  # threshold 0: unused

@@ -24,9 +24,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from s2moe.runtime.experts import ExpertWeights
-from s2moe.runtime.kv_cache import KVCache
-from s2moe.runtime.model import MoEModel
+from s2moe.runtime.offload.experts import ExpertWeights
+from s2moe.runtime.model.kv_cache import KVCache
+from s2moe.runtime.model.forward import MoEModel
 
 Key = tuple[int, int]
 DEFAULT_ROUNDS = 9

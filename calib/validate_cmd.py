@@ -52,7 +52,7 @@ def measured_passes(profile, loaded, tok, workload: str | None, n_prompts: int, 
 
 def evaluate(profile, samples: list) -> dict:
     """Predictions of the profile's cost model against the measured seconds."""
-    from s2moe.runtime.cost_model import VerificationCostModel
+    from s2moe.runtime.decoding.cost_model import VerificationCostModel
 
     c = profile.costs
     model = VerificationCostModel()
@@ -109,9 +109,9 @@ def validate(
 ):
     """Check the profile's verification-cost model against measured S²-MoE passes."""
     with cli_errors():
-        from s2moe.runtime.loader import load_model
+        from s2moe.runtime.model.loader import load_model
         from s2moe.runtime.profile import load_profile
-        from s2moe.runtime.tokenizer import load_tokenizer
+        from s2moe.runtime.model.tokenizer import load_tokenizer
 
         prof = load_profile(profile_path)
         loaded = load_model(resolve_model(model))

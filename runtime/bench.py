@@ -11,15 +11,15 @@ import os
 import statistics
 from pathlib import Path
 
-from .cost_model import CostConstants
+from .decoding.cost_model import CostConstants
 from .engine import build_engine
 from .errors import UsageError
-from .methods import SpecSettings, get_method
+from .decoding.methods import SpecSettings, get_method
 from .prompts import ASSET_PROMPTS, load_workload
 from .records import Record
-from .routing import RoutingPolicy
-from .sampling import SamplingParams
-from .speculative import SpeculativeDecoder
+from .model.routing import RoutingPolicy
+from .decoding.sampling import SamplingParams
+from .decoding.speculative import SpeculativeDecoder
 
 WORKLOAD_ALIASES = {
     "humaneval": "human-eval.jsonl", "human-eval": "human-eval.jsonl", "gsm8k": "gsm8K.jsonl",

@@ -6,13 +6,13 @@ import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from .budget import Budget, MemoryPlan, fmt_bytes, plan_memory
-from .backend import NUMPY, Backend
-from .cache import DEFAULT_POLICY, ExpertCache
+from .offload.memory import Budget, MemoryPlan, fmt_bytes, plan_memory
+from .kernels.backend import NUMPY, Backend
+from .offload.cache import DEFAULT_POLICY, ExpertCache
 from .errors import UsageError
-from .loader import LoadedModel, load_model
-from .model import MoEModel
-from .store import Emulation, ExpertStore
+from .model.loader import LoadedModel, load_model
+from .model.forward import MoEModel
+from .offload.store import Emulation, ExpertStore
 
 
 @dataclass
@@ -109,7 +109,7 @@ def build_engine(
     store = ExpertStore(loaded, direct=direct_io, emulation=emulation,
                         **({"threads": fetch_threads} if fetch_threads else {}))
     if offload_tier == "host":
-        from .host_tier import HostTier
+        from .offload.host_tier import HostTier
 
         store = HostTier(store, backend)
     full = plan.expert_capacity >= plan.expert_total

@@ -13,7 +13,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from .cost_model import CostConstants
+from .decoding.cost_model import CostConstants
 from .errors import S2MoEError
 from .schema_check import SchemaViolation, check
 

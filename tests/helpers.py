@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from s2moe.runtime.loader import load_model
-from s2moe.runtime.model import MoEModel
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.model.forward import MoEModel
 
 TOL = 1e-4
 
@@ -65,8 +65,8 @@ def assert_f32_gguf_matches(torch_model, folder, path, split: bool, ids, tol: fl
     """Write the HF folder as an F32 GGUF (merged or split experts), load it back, and compare its
     config and prefill logits with the torch model."""
     import tiny_models as tm
-    from s2moe.runtime.formats.gguf_writer import write_gguf
-    from s2moe.runtime.store import ExpertStore
+    from s2moe.runtime.model.formats.gguf_writer import write_gguf
+    from s2moe.runtime.offload.store import ExpertStore
 
     loaded = load_model(folder)
     write_gguf(loaded, str(path), ExpertStore(loaded).read, "F32", split_experts=split)

@@ -5,14 +5,14 @@ same checks with real CuPy on a GPU."""
 import numpy as np
 import pytest
 
-from s2moe.runtime import backend as B
+from s2moe.runtime.kernels import backend as B
 from s2moe.runtime.cli.common import DEFAULT_MODEL
 from s2moe.runtime.engine import build_engine
 from s2moe.runtime.errors import UsageError
-from s2moe.runtime.loader import load_model
-from s2moe.runtime.methods import SpecSettings, get_method
-from s2moe.runtime.model import MoEModel
-from s2moe.runtime.speculative import SpeculativeDecoder
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.model.forward import MoEModel
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
 import fake_cupy
 import tiny_models as tm
@@ -117,8 +117,8 @@ def test_other_families_run_on_the_device_path(tmp_path, device, family):
 
 
 def test_start_up_estimates_run_on_the_device_path(loaded, device):
-    from s2moe.runtime.estimate import estimate_costs
-    from s2moe.runtime.routing import RoutingPolicy
+    from s2moe.runtime.decoding.estimate import estimate_costs
+    from s2moe.runtime.model.routing import RoutingPolicy
 
     engine = build_engine(loaded.path, "0.25", 64, None, loaded=loaded, backend=device)
     costs = estimate_costs(engine.model, [5, 99, 1000, 42], RoutingPolicy(top_k=2))
@@ -140,7 +140,7 @@ def test_profile_and_validate_on_the_device_path(tiny_model_dirs, tmp_path, devi
 
     from s2moe.calib import profile_cmd, validate_cmd
     from s2moe.runtime.profile import load_profile, save_profile
-    from s2moe.runtime.tokenizer import load_tokenizer
+    from s2moe.runtime.model.tokenizer import load_tokenizer
 
     workload = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
     _, folder, _ = tiny_model_dirs["olmoe"]

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from s2moe.runtime.cost_model import VerificationCostModel
+from s2moe.runtime.decoding.cost_model import VerificationCostModel
 from s2moe.runtime.profile import SCHEMA, ProfileError, load_profile, save_profile, schema_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,8 +171,8 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
 def test_emulated_tier_is_recovered(calib_model):
     """Under a known emulated link the bandwidth stage recovers bandwidth and latency within 10 %."""
     from s2moe.calib.measure import offload_bandwidth
-    from s2moe.runtime.loader import load_model
-    from s2moe.runtime.store import Emulation, ExpertStore
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.offload.store import Emulation, ExpertStore
 
     loaded = load_model(calib_model)
     store = ExpertStore(loaded, emulation=Emulation(400.0, 300.0), threads=1)

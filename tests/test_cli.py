@@ -105,9 +105,9 @@ def test_bad_model_gives_one_line_error(tiny_model_dirs, tmp_path, case):
     _, folder, _ = tiny_model_dirs["olmoe"]
     path, needle = _bad_inputs(folder, tmp_path)[case]
     if path is None:
-        from s2moe.runtime.store import ExpertStore
-        from s2moe.runtime.formats.gguf_writer import write_gguf
-        from s2moe.runtime.loader import load_model
+        from s2moe.runtime.offload.store import ExpertStore
+        from s2moe.runtime.model.formats.gguf_writer import write_gguf
+        from s2moe.runtime.model.loader import load_model
 
         loaded = load_model(folder)
         path = str(tmp_path / "cut.gguf")

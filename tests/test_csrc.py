@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import csrc_host
-from s2moe.runtime.gating import ReuseGating
-from s2moe.runtime.routing import route
+from s2moe.runtime.decoding.gating import ReuseGating
+from s2moe.runtime.model.routing import route
 
 CSRC = csrc_host.CSRC
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from s2moe.runtime.cli.common import DEFAULT_MODEL
-from s2moe.runtime.generate import generate_ar
-from s2moe.runtime.loader import load_model
-from s2moe.runtime.model import MoEModel
+from s2moe.runtime.decoding.generate import generate_ar
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.model.forward import MoEModel
 from s2moe.runtime.profile import model_fingerprint
-from s2moe.runtime.tokenizer import load_tokenizer
+from s2moe.runtime.model.tokenizer import load_tokenizer
 
 # Update both (and re-run tools/evaluate_model.py) only when the model is retrained on purpose.
 EXPECTED_SHA256 = "d4dd3875dfe8a34d921069b30a24c7d92eacffd27339e4e697ad7cf2d49fae60"

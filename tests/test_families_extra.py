@@ -19,12 +19,12 @@ import torch
 
 import tiny_models as tm
 from helpers import TOL, assert_f32_gguf_matches, check_prefill_decode_verify, gguf_logits, save_families
-from s2moe.runtime.formats.gguf_writer import write_gguf
-from s2moe.runtime.formats.mxfp4 import dequantize_ggml, dequantize_hf
-from s2moe.runtime.loader import load_model
-from s2moe.runtime.model import MoEModel
-from s2moe.runtime.routing import RoutingPolicy, route, softmax
-from s2moe.runtime.store import ExpertStore
+from s2moe.runtime.model.formats.gguf_writer import write_gguf
+from s2moe.runtime.model.formats.mxfp4 import dequantize_ggml, dequantize_hf
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.model.forward import MoEModel
+from s2moe.runtime.model.routing import RoutingPolicy, route, softmax
+from s2moe.runtime.offload.store import ExpertStore
 
 DEEPSEEK = ("deepseek_v2", "deepseek_v2_plain", "deepseek_v3")
 
@@ -118,9 +118,9 @@ def test_deepseek_v3_rope_on_halves(tmp_path, rng):
 
 def test_gguf_kv_b_rebuilt_from_llama_cpp_split(extra_dirs, tmp_path):
     """llama.cpp writes MLA's kv_b also as attn_k_b / attn_v_b; either one gives the same kv_b."""
-    from s2moe.runtime.loader import _kv_b_from_split, _Resolver
-    from s2moe.runtime.models import BY_GGUF_ARCH, names_for
-    from s2moe.runtime.formats import tensors as T
+    from s2moe.runtime.model.loader import _kv_b_from_split, _Resolver
+    from s2moe.runtime.model.models import BY_GGUF_ARCH, names_for
+    from s2moe.runtime.model.formats import tensors as T
 
     _, folder, _ = extra_dirs["deepseek_v2"]
     loaded = load_model(folder)
@@ -266,11 +266,11 @@ def test_draft_top_k(extra_dirs, family):
 @pytest.mark.parametrize("family,budget", [("deepseek_v2", "0.5"), ("deepseek_v2_plain", None), ("deepseek_v3", "0.3"),
                                            ("gpt_oss", "0.4")])
 def test_greedy_speculative_equals_ar(extra_dirs, family, budget):
-    from s2moe.runtime.cost_model import CostConstants
+    from s2moe.runtime.decoding.cost_model import CostConstants
     from s2moe.runtime.engine import build_engine
-    from s2moe.runtime.generate import generate_ar
-    from s2moe.runtime.methods import SpecSettings, get_method
-    from s2moe.runtime.speculative import SpeculativeDecoder
+    from s2moe.runtime.decoding.generate import generate_ar
+    from s2moe.runtime.decoding.methods import SpecSettings, get_method
+    from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
     eager = CostConstants(t_ar=50.0, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.0002)  # AE admits: drafts run
     engine = build_engine(extra_dirs[family][1], budget)

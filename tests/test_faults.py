@@ -13,7 +13,7 @@ import pytest
 
 from s2moe.runtime.engine import build_engine
 from s2moe.runtime.errors import ExpertReadError
-from s2moe.runtime.generate import generate_ar
+from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.profile import write_json_atomic
 
 

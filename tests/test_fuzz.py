@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from s2moe.runtime.errors import S2MoEError
-from s2moe.runtime.formats.gguf_index import GGUFIndex
-from s2moe.runtime.formats.safetensors_index import read_header
+from s2moe.runtime.model.formats.gguf_index import GGUFIndex
+from s2moe.runtime.model.formats.safetensors_index import read_header
 
 N_MUTATIONS = 10_000
 MEMORY_CAP = 64 << 20  # bytes of Python allocations while parsing one file

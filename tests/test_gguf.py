@@ -14,10 +14,10 @@ import torch
 
 import tiny_models as tm
 from helpers import assert_f32_gguf_matches, gguf_logits
-from s2moe.runtime.store import ExpertStore
-from s2moe.runtime.formats.gguf_writer import write_gguf
-from s2moe.runtime.loader import load_model
-from s2moe.runtime.tokenizer import load_tokenizer
+from s2moe.runtime.offload.store import ExpertStore
+from s2moe.runtime.model.formats.gguf_writer import write_gguf
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.model.tokenizer import load_tokenizer
 
 
 def _roundtrip_reference(torch_model, kind: str):

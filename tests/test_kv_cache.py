@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from s2moe.runtime.errors import KVCacheError
-from s2moe.runtime.kv_cache import KVCache
+from s2moe.runtime.model.kv_cache import KVCache
 
 
 def make():

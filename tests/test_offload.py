@@ -8,13 +8,13 @@ import time
 import numpy as np
 import pytest
 
-from s2moe.runtime.budget import Budget, plan_memory
-from s2moe.runtime.cache import ExpertCache
+from s2moe.runtime.offload.memory import Budget, plan_memory
+from s2moe.runtime.offload.cache import ExpertCache
 from s2moe.runtime.engine import build_engine, read_hot_experts
 from s2moe.runtime.errors import UsageError
-from s2moe.runtime.generate import generate_ar
-from s2moe.runtime.loader import load_model
-from s2moe.runtime.store import Emulation, ExpertStore
+from s2moe.runtime.decoding.generate import generate_ar
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.offload.store import Emulation, ExpertStore
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_direct_io_or_announced_fallback(olmoe_dir, capsys):
 
 def test_lfu_heap_picks_the_same_victim_as_a_full_scan():
     """The O(log n) victim equals the lowest decayed score (ties: least recent) of a full scan."""
-    from s2moe.runtime.cache import DecayedLFU
+    from s2moe.runtime.offload.cache import DecayedLFU
 
     rng = np.random.default_rng(7)
     lfu = DecayedLFU(half_life=64.0)

@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 
 from helpers import assert_kv_is_fresh_prefill
 
-from s2moe.runtime.cost_model import CostConstants
+from s2moe.runtime.decoding.cost_model import CostConstants
 from s2moe.runtime.engine import build_engine
-from s2moe.runtime.generate import generate_ar
-from s2moe.runtime.methods import SpecSettings, get_method
-from s2moe.runtime.speculative import SpeculativeDecoder
+from s2moe.runtime.decoding.generate import generate_ar
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
 SETTINGS = settings(max_examples=25, deadline=None, database=None, derandomize=True,
                     suppress_health_check=list(HealthCheck))
@@ -41,7 +41,7 @@ def test_committed_kv_equals_fresh_prefill(tiny_model_dirs, prompt, budget, meth
     """After any run of draft/verify/rollback steps (greedy or sampled) the committed KV is exactly
     what a fresh target prefill of the committed text computes. Reuse-aware gating is off: it
     changes the experts verification uses, so with it the KV is the gated target's by design."""
-    from s2moe.runtime.sampling import SamplingParams
+    from s2moe.runtime.decoding.sampling import SamplingParams
 
     engine = build_engine(tiny_model_dirs["olmoe"][1], budget)
     dec = SpeculativeDecoder(engine.model, get_method(method, reuse_gating=False),

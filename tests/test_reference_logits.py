@@ -7,8 +7,8 @@ import pytest
 
 import tiny_models as tm
 from helpers import TOL, check_prefill_decode_verify
-from s2moe.runtime.loader import load_model
-from s2moe.runtime.model import MoEModel
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.model.forward import MoEModel
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 @pytest.mark.parametrize("family", tm.FAMILIES)

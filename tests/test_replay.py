@@ -7,14 +7,14 @@ import pytest
 from s2moe.calib import measure
 from s2moe.calib.passes import decode_passes
 from s2moe.calib.replay import WeightPool, replay, single_shot_samples, spread
-from s2moe.runtime.cache import ExpertCache
+from s2moe.runtime.offload.cache import ExpertCache
 from s2moe.runtime.cli.common import DEFAULT_MODEL
-from s2moe.runtime.cost_model import CostConstants, VerificationCostModel
+from s2moe.runtime.decoding.cost_model import CostConstants, VerificationCostModel
 from s2moe.runtime.errors import KVCacheError, UsageError
-from s2moe.runtime.kv_cache import KVCache
-from s2moe.runtime.loader import load_model
-from s2moe.runtime.model import MoEModel
-from s2moe.runtime.store import ExpertStore
+from s2moe.runtime.model.kv_cache import KVCache
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.model.forward import MoEModel
+from s2moe.runtime.offload.store import ExpertStore
 
 SPEC = {"draft_topk": 2, "draft_cap": 4, "reuse_cap": 8}
 UNUSED = CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from s2moe.runtime.routing import RoutingPolicy, route, softmax, top_k_indices
+from s2moe.runtime.model.routing import RoutingPolicy, route, softmax, top_k_indices
 
 
 def test_top_k_ties_go_to_lower_expert_id():

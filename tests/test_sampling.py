@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from s2moe.runtime.errors import UsageError
-from s2moe.runtime.sampling import SamplingParams, probabilities, sample
+from s2moe.runtime.decoding.sampling import SamplingParams, probabilities, sample
 
 
 def test_temperature_zero_is_argmax(rng):

@@ -8,14 +8,14 @@ from scipy import stats
 
 from helpers import assert_kv_is_fresh_prefill
 
-from s2moe.runtime.cost_model import CostConstants
+from s2moe.runtime.decoding.cost_model import CostConstants
 from s2moe.runtime.engine import build_engine
-from s2moe.runtime.gating import ReuseGating
-from s2moe.runtime.generate import generate_ar
-from s2moe.runtime.methods import SpecSettings, get_method
-from s2moe.runtime.routing import RoutingPolicy, route, softmax
-from s2moe.runtime.sampling import SamplingParams, probabilities
-from s2moe.runtime.speculative import SpeculativeDecoder, marginal_verification_cost
+from s2moe.runtime.decoding.gating import ReuseGating
+from s2moe.runtime.decoding.generate import generate_ar
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.model.routing import RoutingPolicy, route, softmax
+from s2moe.runtime.decoding.sampling import SamplingParams, probabilities
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder, marginal_verification_cost
 
 LOSSLESS = ["ca", "ca+ae", "s2moe", "es", "confidence", "cascade"]
 # Tiny random models give near-uniform draft probabilities, so a realistic T_AR admits nothing;

@@ -30,12 +30,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from corpus import iter_documents  # noqa: E402
 
-from s2moe.runtime.generate import generate_ar  # noqa: E402
-from s2moe.runtime.loader import load_model  # noqa: E402
-from s2moe.runtime.model import MoEModel  # noqa: E402
-from s2moe.runtime.routing import RoutingPolicy, softmax  # noqa: E402
-from s2moe.runtime.sampling import SamplingParams  # noqa: E402
-from s2moe.runtime.tokenizer import load_tokenizer  # noqa: E402
+from s2moe.runtime.decoding.generate import generate_ar  # noqa: E402
+from s2moe.runtime.model.loader import load_model  # noqa: E402
+from s2moe.runtime.model.forward import MoEModel  # noqa: E402
+from s2moe.runtime.model.routing import RoutingPolicy, softmax  # noqa: E402
+from s2moe.runtime.decoding.sampling import SamplingParams  # noqa: E402
+from s2moe.runtime.model.tokenizer import load_tokenizer  # noqa: E402
 
 SAMPLE_PROMPTS = ["def fibonacci(n):", "import os", "class Stack:\n    def __init__(self):",
                   "The built-in function len() returns"]

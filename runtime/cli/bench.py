@@ -38,19 +38,19 @@ def bench(
         from rich.table import Table
 
         from ..bench import run_bench
-        from ..estimate import estimate_costs
-        from ..loader import load_model
+        from ..decoding.estimate import estimate_costs
+        from ..model.loader import load_model
         from ..records import machine_info, to_csv, to_json
-        from ..sampling import SamplingParams
-        from ..tokenizer import load_tokenizer
+        from ..decoding.sampling import SamplingParams
+        from ..model.tokenizer import load_tokenizer
         from .spec_options import apply_profile, make_settings
 
         names = [m.strip() for m in methods.split(",") if m.strip()]
-        from ..methods import get_method
+        from ..decoding.methods import get_method
 
         for name in names:
             get_method(name)  # fail fast on a typo
-        from ..backend import select_backend
+        from ..kernels.backend import select_backend
 
         arrays = select_backend(backend)
         err.print(f"[dim]backend {arrays.name} ({arrays.reason})[/dim]")

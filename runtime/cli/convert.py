@@ -21,9 +21,9 @@ def convert(
     """Convert a model to GGUF."""
     with cli_errors():
         from ..errors import UsageError
-        from ..store import ExpertStore
-        from ..formats.gguf_writer import write_gguf
-        from ..loader import load_model
+        from ..offload.store import ExpertStore
+        from ..model.formats.gguf_writer import write_gguf
+        from ..model.loader import load_model
 
         if to.lower() != "gguf":
             raise UsageError(f"--to {to}: only 'gguf' is supported")

@@ -80,7 +80,7 @@ def info(
 ):
     """Show a model's architecture, layer/expert counts and byte sizes."""
     with cli_errors():
-        from ..loader import load_model
+        from ..model.loader import load_model
 
         facts = describe(load_model(resolve_model(model)))
         if json_out:

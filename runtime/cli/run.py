@@ -42,13 +42,13 @@ def run(
 ):
     """Generate text with the model (S²-MoE self-speculative decoding by default)."""
     with cli_errors():
-        from ..backend import select_backend
+        from ..kernels.backend import select_backend
         from ..engine import build_engine, engine_tier
-        from ..estimate import estimate_costs
-        from ..loader import load_model
-        from ..methods import get_method
-        from ..speculative import SpeculativeDecoder
-        from ..tokenizer import load_tokenizer
+        from ..decoding.estimate import estimate_costs
+        from ..model.loader import load_model
+        from ..decoding.methods import get_method
+        from ..decoding.speculative import SpeculativeDecoder
+        from ..model.tokenizer import load_tokenizer
         from .spec_options import apply_profile, describe_costs, make_settings
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
@@ -105,7 +105,7 @@ def _per_token(report: dict, generated: int) -> dict:
 def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed):
     """Flags win; otherwise the model's own defaults (generation_config.json with do_sample, or a
     GGUF's `general.sampling.*`), as transformers and llama.cpp do; otherwise greedy."""
-    from ..sampling import SamplingParams
+    from ..decoding.sampling import SamplingParams
 
     defaults = loaded.generation_defaults
     pick = lambda flag, key, off: flag if flag is not None else defaults.get(key, off)  # noqa: E731
@@ -114,14 +114,14 @@ def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed):
 
 
 def settings_policy(settings):
-    from ..routing import RoutingPolicy
+    from ..model.routing import RoutingPolicy
 
     return RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk))
 
 
 def _unused_costs():
     """Methods whose admission rule ignores costs still take the argument."""
-    from ..cost_model import CostConstants
+    from ..decoding.cost_model import CostConstants
 
     return CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0, source="unused")
 
@@ -130,7 +130,7 @@ def print_summary(stats: dict) -> None:
     """One summary line, then the per-phase expert accounting as a table (both on stderr)."""
     from rich.table import Table
 
-    from ..budget import fmt_bytes
+    from ..offload.memory import fmt_bytes
 
     off = stats["offload"]
     cache = off["cache"]

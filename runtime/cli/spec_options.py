@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..methods import SpecSettings, parse_draft_topk
+from ..decoding.methods import SpecSettings, parse_draft_topk
 from .common import err
 
 DEFAULTS = {"draft_cap": 8, "utility_threshold": 1.0}

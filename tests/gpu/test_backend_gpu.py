@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from s2moe.runtime.backend import NUMPY, cuda_unusable_reason, select_backend
+from s2moe.runtime.kernels.backend import NUMPY, cuda_unusable_reason, select_backend
 from s2moe.runtime.cli.common import DEFAULT_MODEL
-from s2moe.runtime.cost_model import CostConstants
+from s2moe.runtime.decoding.cost_model import CostConstants
 from s2moe.runtime.engine import build_engine
-from s2moe.runtime.loader import load_model
-from s2moe.runtime.methods import SpecSettings, get_method
-from s2moe.runtime.model import MoEModel
-from s2moe.runtime.speculative import SpeculativeDecoder
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.model.forward import MoEModel
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
 REASON = cuda_unusable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"GPU test: {REASON}")

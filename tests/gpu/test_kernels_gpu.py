@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from s2moe.runtime.backend import cuda_unusable_reason
-from s2moe.runtime.gating import ReuseGating
-from s2moe.runtime.routing import route
+from s2moe.runtime.kernels.backend import cuda_unusable_reason
+from s2moe.runtime.decoding.gating import ReuseGating
+from s2moe.runtime.model.routing import route
 
 
 REASON = cuda_unusable_reason()
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"GPU test: {REASON}"
 def test_router_kernel_matches_numpy(kind, renorm):
     import cupy as cp
 
-    from s2moe.runtime.cuda_kernels import router_topk
+    from s2moe.runtime.kernels.cuda import router_topk
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(300, 64)).astype(np.float32)
@@ -36,7 +36,7 @@ def test_router_kernel_matches_numpy(kind, renorm):
 def test_fused_reuse_gating_kernel_matches_numpy(variant):
     import cupy as cp
 
-    from s2moe.runtime.cuda_kernels import reuse_gating
+    from s2moe.runtime.kernels.cuda import reuse_gating
 
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(9, 64)).astype(np.float32)

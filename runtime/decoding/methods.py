@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import json
 import os
 import struct
 
-from ..errors import ModelFormatError
+from ...errors import ModelFormatError
 from .tensors import PLAIN_DTYPES, TensorRef
 
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own limit

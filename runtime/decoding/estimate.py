@@ -12,9 +12,9 @@ import time
 import numpy as np
 
 from .cost_model import CostConstants
-from .engine import phase_of
-from .model import MoEModel, silu
-from .routing import RoutingPolicy
+from ..engine import phase_of
+from ..model.forward import MoEModel, silu
+from ..model.routing import RoutingPolicy
 
 
 def _median_time(fn, reps: int) -> float:

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 BACKENDS = ("auto", "numpy", "cupy")
 

@@ -6,7 +6,7 @@ import os
 import struct
 from typing import Any
 
-from ..errors import ModelFormatError
+from ...errors import ModelFormatError
 from .tensors import TensorRef
 
 # GGUF stores these as plain IEEE types; everything else is a GGML block format.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import KVCacheError
+from ..errors import KVCacheError
 
 
 class KVCache:

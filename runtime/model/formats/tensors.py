@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ModelFormatError, UnsupportedModelError
+from ...errors import ModelFormatError, UnsupportedModelError
 
 # Plain (unquantised) storage types and their numpy dtypes. BF16 has no numpy dtype: it is read
 # as uint16 and widened by a 16-bit shift. U8 holds packed data (MXFP4 blocks and scales in

@@ -1,8 +1,8 @@
 """Architecture registry and tensor-name tables.
 
 Each architecture file states only what differs (config parsing, router kind, q/k norm, name
-overrides, expert layout); the transformer loop itself lives once in `runtime/model.py`, the two
-attention kinds (GQA, MLA) in `runtime/attention.py`.
+overrides, expert layout); the transformer loop itself lives once in `runtime/model/forward.py`, the two
+attention kinds (GQA, MLA) in `runtime/model/attention.py`.
 """
 
 from __future__ import annotations

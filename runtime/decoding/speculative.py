@@ -18,15 +18,15 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .cost_model import CostConstants
-from .engine import phase_of
+from ..engine import phase_of
 from .generate import GenerationResult
 from .gating import ReuseGating
-from .kv_cache import KVCache
+from ..model.kv_cache import KVCache
 from .methods import MethodSpec, SpecSettings
-from .model import MoEModel
-from .routing import TARGET, RoutingPolicy, RoutingRecord, softmax, top_k_indices
+from ..model.forward import MoEModel
+from ..model.routing import TARGET, RoutingPolicy, RoutingRecord, softmax, top_k_indices
 from .sampling import SamplingParams, probabilities, sample
-from .spec_metrics import SpecMetrics
+from .metrics import SpecMetrics
 
 Key = tuple[int, int]
 

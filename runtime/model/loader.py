@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 
 from .config import ConfigReader, ModelConfig
-from .errors import ModelFormatError, UnsupportedModelError
-from .experts import ExpertWeights, assemble, resident_elements
+from ..errors import ModelFormatError, UnsupportedModelError
+from ..offload.experts import ExpertWeights, assemble, resident_elements
 from .formats import tensors as T
 from .formats.tensors import TensorRef
 from .models import BY_GGUF_ARCH, BY_HF_TYPE, names_for

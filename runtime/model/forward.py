@@ -1,4 +1,4 @@
-"""The MoE transformer forward pass in float32, on NumPy or a device backend (runtime/backend.py).
+"""The MoE transformer forward pass in float32, on NumPy or a device backend (runtime/kernels/backend.py).
 
 One batched call serves prefill, single-token decode and multi-token verification: tokens [T] at
 positions [start, start + T) attend to every cached position before them. Architecture details
@@ -16,9 +16,9 @@ import numpy as np
 
 from . import rope
 from .attention import ATTENTION, rms_norm
-from .backend import NUMPY, Backend, xp_of
+from ..kernels.backend import NUMPY, Backend, xp_of
 from .config import ModelConfig
-from .experts import ExpertProvider, ExpertWeights
+from ..offload.experts import ExpertProvider, ExpertWeights
 from .kv_cache import KVCache
 from .loader import LoadedModel
 from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, route
@@ -88,8 +88,8 @@ class MoEModel:
                     uploaded[id(v)] = backend.to_device(v)
             self.W = {k: uploaded[id(v)] for k, v in loaded.dense.items()}
         if experts is None:  # full residency, buffered reads: the plain reference configuration
-            from .cache import ExpertCache
-            from .store import ExpertStore
+            from ..offload.cache import ExpertCache
+            from ..offload.store import ExpertStore
 
             experts = ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None, place=backend.upload_expert)
         self.experts = experts

@@ -21,10 +21,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .errors import ExpertReadError
+from ..errors import ExpertReadError
 from .experts import ExpertWeights
-from .formats.tensors import TensorRef, decode
-from .loader import ExpertRefs, LoadedModel
+from ..model.formats.tensors import TensorRef, decode
+from ..model.loader import ExpertRefs, LoadedModel
 
 ALIGN = 4096  # O_DIRECT needs offset, length and buffer aligned to the logical block size (≤ 4 KiB)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import ModelFormatError, UnsupportedModelError
+from ..errors import ModelFormatError, UnsupportedModelError
 
 
 def load_tokenizer(model, override: str | None = None):

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import UsageError
+from ...errors import UsageError
 from ..loader import BIASES, PROJECTIONS, LoadedModel
 from ..models import BY_GGUF_ARCH, names_for
 

@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3 (deepseek-ai/DeepSeek-V2-Lite, DeepSeek-V3): what differs from the common MoE transformer.
 
-- multi-head latent attention (`runtime/attention.py`): q directly or through a LoRA bottleneck
+- multi-head latent attention (`runtime/model/attention.py`): q directly or through a LoRA bottleneck
   (q_a → RMSNorm → q_b); keys/values from a compressed latent (kv_a → RMSNorm, then kv_b) plus one
   RoPE key shared by all heads; the KV cache holds just the latent and that RoPE key;
 - RoPE only on the last `qk_rope_head_dim` dims of each q/k head, on adjacent pairs (V2 always,
@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from ..config import ConfigReader, ModelConfig, from_f32, common_gguf_fields, common_hf_fields
-from ..errors import UnsupportedModelError
+from ...errors import UnsupportedModelError
 
 NAME = "deepseek_v2"
 HF_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")

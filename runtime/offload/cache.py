@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .errors import UsageError
+from ..errors import UsageError
 from .experts import ExpertWeights
 
 Key = tuple[int, int]

@@ -1,6 +1,6 @@
 """`ModelConfig`: the one description of a MoE transformer that the forward pass reads.
 
-Architecture files (`runtime/models/*.py`) build it from a Hugging Face `config.json` or from GGUF
+Architecture files (`runtime/model/models/*.py`) build it from a Hugging Face `config.json` or from GGUF
 metadata; everything downstream (loader checks, forward pass, byte accounting) reads only this.
 """
 
@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
-from .errors import ModelFormatError, UnsupportedModelError
+from ..errors import ModelFormatError, UnsupportedModelError
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
 QK_NORMS = ("none", "full", "per_head")

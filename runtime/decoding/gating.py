@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .routing import top_k_indices
+from ..model.routing import top_k_indices
 
 VARIANTS = ("paper", "code")
 

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from .backend import xp_of
+from ..kernels.backend import xp_of
 from .config import ModelConfig, yarn_mscale
 
 

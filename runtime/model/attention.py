@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import rope
-from .backend import xp_of
+from ..kernels.backend import xp_of
 from .config import ModelConfig
 from .kv_cache import KVCache
 

@@ -8,8 +8,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .model import MoEModel
-from .routing import TARGET, RoutingPolicy
+from ..model.forward import MoEModel
+from ..model.routing import TARGET, RoutingPolicy
 from .sampling import SamplingParams, sample
 
 
@@ -56,7 +56,7 @@ def generate_ar(
     rng = np.random.default_rng(params.seed)
     kv = model.new_cache(len(prompt) + max_tokens)
     result = GenerationResult(prompt)
-    from .engine import phase_of
+    from ..engine import phase_of
 
     t0 = time.perf_counter()
     with phase_of(model, "prefill"):

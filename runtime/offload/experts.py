@@ -2,7 +2,7 @@
 
 The forward pass calls ``get`` once per MoE layer per pass with the distinct experts that layer's
 tokens chose, so each expert's weights are fetched at most once per pass. `ExpertCache`
-(runtime/cache.py) is the provider; `ExpertStore` (runtime/store.py) the slow tier behind it.
+(runtime/offload/cache.py) is the provider; `ExpertStore` (runtime/offload/store.py) the slow tier behind it.
 
 On disk an expert is a few named byte ranges in one of several layouts; `assemble` turns the
 decoded parts into the one compute format (float32, gate/up [I, H], down [H, I], optional biases).
@@ -15,7 +15,7 @@ from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
-from .formats.mxfp4 import dequantize_hf
+from ..model.formats.mxfp4 import dequantize_hf
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The offload room: the memory plan, the expert store (slow tier), the expert cache (fast tier), the host tier."""
