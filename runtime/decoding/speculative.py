@@ -42,7 +42,10 @@ def marginal_verification_cost(new_experts: set[Key], is_resident, costs: CostCo
 class Draft:
     tokens: list[int] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)  # q(d_i) of each draft token
-    dists: list[np.ndarray | None] = field(default_factory=list)  # q(·) it was sampled from
+    # the law d_i has *given that it was admitted* (sampling only): q(·) under a fixed-length rule,
+    # q restricted to {q ≥ θ} under the confidence rule, None when the rule's verdict depends on
+    # more than q (AE looks at the token's experts): verification then matches a target sample
+    dists: list[np.ndarray | None] = field(default_factory=list)
 
 
 @dataclass
@@ -119,6 +122,13 @@ class SpeculativeDecoder:
                 token, prob, dist = self._pick(logits, rng)
             if m.admit == "confidence" and prob < s.confidence_threshold:
                 break
+            if dist is not None and m.admit == "confidence":
+                # the rule drops tokens by their own probability, so an admitted token was in effect
+                # drawn from q restricted to {q ≥ θ}; verifying it against plain q would bias the output
+                dist = np.where(dist >= s.confidence_threshold, dist, 0.0)
+                dist = dist / dist.sum()
+            elif m.admit == "utility":
+                dist = None  # U_i also depends on the token's experts: its admitted law is unknown
             if m.admit == "utility" and prefix * prob * costs.t_ar / costs.c_draft < s.utility_threshold:
                 break  # even with ΔC_ver = 0 the token cannot pay for itself: skip its draft pass
             # AE needs token i's experts before admitting it; other rules only need the next logits
@@ -162,6 +172,11 @@ class SpeculativeDecoder:
                 continue
             p = probabilities(parent, self.params)
             q = d.dists[i]
+            if q is None:  # unknown draft law: accept while a target sample equals the draft token
+                y = int(rng.choice(p.size, p=p))
+                if y == token:
+                    continue
+                return i, y
             if rng.random() < min(1.0, p[token] / q[token]):
                 continue
             residual = np.maximum(p - q, 0.0)  # resample from the part of p that q under-covers

@@ -1,0 +1,175 @@
+"""Sampled speculative decoding reproduces the target distribution exactly (and seeds are honoured).
+
+`SpeculativeDecoder` runs for real (drafting, `_verify`, `_accept_chain`, KV rollback and commit)
+against `stub_model.StubModel`, whose target and draft next-token laws are known tables that differ
+by a total variation of 0.3–0.4 in every context. The empirical joint law of the first tokens of
+many seeded generations is compared with the exact target law (chi-square, small cells pooled).
+
+Draft lengths 1, 2 and 4 with a fixed-length chain (method ``ca``), so the first iteration's draft
+positions 1..L and the bonus token (position L + 1, emitted only when every draft is accepted) are
+all inside the compared window; plus temperature/top-k truncation, the confidence rule, AE's
+utility rule with backoff, and the private-draft-KV baseline (``es``). Trees (two drafted branches)
+are verified greedily only (`SpeculativeDecoder.generate`: ``width = 1`` when sampling), so there is
+no sampled multi-draft path to test; the greedy tree is in test_speculative.py / test_properties.py.
+
+Sample counts come from a power calculation (``python tools/spec_power.py`` recomputes it). For each
+fixed-length case the exact law of the compared tokens is computed by enumeration for the correct
+sampler and for four broken ones (accept every draft; resample from p instead of max(p − q, 0);
+accept with min(1, q/p); bonus token from the draft). The power of Pearson's chi-square at the
+test's false-alarm level α = 1e-4 is the noncentral chi-square tail with λ = n·Σ(p₁−p₀)²/p₀ over
+the pooled cells (the test also fails on any outcome the target cannot produce). n is the smallest
+round count whose power is ≥ 0.999 against every broken sampler; the weakest one per case:
+
+  case              n    weakest mutant    TV     w²      df   power
+  ca-L1             800  resample from p   0.150  0.097    7   0.99992
+  ca-L2             500  resample from p   0.183  0.200   19   0.99996
+  ca-L4             600  resample from p   0.257  0.235   40   0.999999
+  ca-L2-T0.7-top2   300  bonus from draft  0.031  0.019    9   0.9995 (impossible outcomes)
+
+(bonus from draft at L = 4: TV 0.071, caught through impossible outcomes with power > 0.9999.)
+Against any law at all, Cauchy–Schwarz gives w² ≥ 4·TV², so n = 500 detects a pooled-law TV ≥ 0.2
+with power ≥ 0.988 in the variable-length cases (confidence, AE, es), which share the acceptance
+code and exist to check that their admit rules and KV paths keep the law exact. Seeds are fixed:
+the outcome is deterministic. The whole file runs in about 6 s.
+
+The confidence and AE cases found a real bias (fixed in speculative.py): a rule that drops a sampled
+draft token by its own probability changes the law of the tokens it keeps, so verifying them
+against the unconditioned q was not lossless (p-value 1e-31 on the AE case).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from stub_model import START, StubModel, exact_law, table_draft, table_target
+
+from s2moe.runtime.decoding.cost_model import CostConstants
+from s2moe.runtime.decoding.generate import generate_ar
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.decoding.sampling import SamplingParams, probabilities
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+
+ALPHA = 1e-4  # false-alarm level of one case; seeds are fixed, so the outcome is deterministic
+EAGER = CostConstants(t_ar=50.0, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.0002)
+# AE with T_AR / C_draft = 2.5: a draft token is admitted while its prefix probability is ≥ 0.4, so
+# draft lengths vary (0 included: then AE backs off to plain AR steps) from iteration to iteration.
+PICKY = CostConstants(t_ar=0.005, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.0002)
+
+# name: (method, draft cap, temperature, top-k, tokens compared, samples, costs, confidence threshold)
+CASES = {
+    "ca-L1": ("ca", 1, 1.0, 0, 3, 800, EAGER, 0.5),
+    "ca-L2": ("ca", 2, 1.0, 0, 4, 500, EAGER, 0.5),
+    "ca-L4": ("ca", 4, 1.0, 0, 6, 600, EAGER, 0.5),
+    "ca-L2-T0.7-top2": ("ca", 2, 0.7, 2, 4, 300, EAGER, 0.5),
+    "confidence-L3": ("confidence", 3, 1.0, 0, 5, 500, EAGER, 0.35),
+    "ca+ae-L3": ("ca+ae", 3, 1.0, 0, 5, 500, PICKY, 0.5),
+    "es": ("es", 3, 1.0, 0, 5, 500, EAGER, 0.5),  # fixed length 8, the draft keeps its own KV
+}
+
+
+def truncated(table, params: SamplingParams):
+    """The law the decoder samples from for a table: `probabilities` applied to the stub's logits."""
+    def dist(ctx):
+        with np.errstate(divide="ignore"):
+            return probabilities(np.log(table(ctx)), params)
+    return dist
+
+
+def run_case(name: str, seeds=None):
+    """Counts of the compared tokens over seeded generations, the exact law and the decoder's metrics."""
+    method, cap, temperature, top_k, n_tokens, n, costs, threshold = CASES[name]
+    model = StubModel(table_target, table_draft, vocab=4)
+    counts: dict[tuple, int] = {}
+    drafted = accepted = 0
+    for seed in (range(n) if seeds is None else seeds):
+        params = SamplingParams(temperature=temperature, top_k=top_k, seed=seed)
+        dec = SpeculativeDecoder(model, get_method(method, reuse_gating=False),
+                                 SpecSettings(draft_topk=1, draft_cap=cap, confidence_threshold=threshold),
+                                 costs, params)
+        out = tuple(dec.generate([START], n_tokens).tokens)
+        counts[out] = counts.get(out, 0) + 1
+        drafted += dec.metrics.drafted
+        accepted += dec.metrics.accepted
+    params = SamplingParams(temperature=temperature, top_k=top_k)
+    law = exact_law(truncated(table_target, params), (START,), n_tokens)
+    return counts, law, drafted, accepted
+
+
+def chi_square_pvalue(counts: dict, law: dict, min_expected: float = 5.0) -> float:
+    """Pearson chi-square of observed outcome counts against an exact law; outcomes whose expected
+    count is below ``min_expected`` are pooled into one cell so the chi-square approximation holds."""
+    n = sum(counts.values())
+    big = sorted(k for k, p in law.items() if p * n >= min_expected)
+    small = [k for k in law if k not in big]
+    f_obs = [counts.get(k, 0) for k in big]
+    f_exp = [law[k] * n for k in big]
+    if small:
+        f_obs.append(sum(counts.get(k, 0) for k in small))
+        f_exp.append(sum(law[k] for k in small) * n)
+    f_exp = np.array(f_exp) * (n / sum(f_exp))  # exact up to float rounding; chisquare wants equal sums
+    return float(stats.chisquare(f_obs, f_exp).pvalue)
+
+
+def test_the_tables_differ_materially():
+    """TV(p, q) ≥ 0.2 in every context the test reaches, after the truncations the cases apply."""
+    for temperature, top_k in [(1.0, 0), (0.7, 2)]:
+        params = SamplingParams(temperature=temperature, top_k=top_k)
+        p, q = truncated(table_target, params), truncated(table_draft, params)
+        for last in range(3):
+            for parity in range(2):
+                ctx = (0,) * (1 + parity) + (last,)  # a context with that last token and length parity
+                assert 0.5 * np.abs(p(ctx) - q(ctx)).sum() >= 0.2, (temperature, top_k, last, parity)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sampled_speculation_reproduces_the_target_law(name):
+    counts, law, drafted, accepted = run_case(name)
+    impossible = {k: v for k, v in counts.items() if k not in law}
+    assert not impossible, f"{name}: outcomes the target cannot produce: {impossible}"
+    # the accept and the residual branches both ran many times
+    assert drafted > 0 and 0.2 < accepted / drafted < 0.9, (drafted, accepted)
+    pvalue = chi_square_pvalue(counts, law)
+    assert pvalue > ALPHA, f"{name}: the generated tokens do not follow the target law (p = {pvalue:.2e})"
+
+
+def test_every_draft_position_and_the_bonus_token_are_exercised():
+    """With L = 4, verifications reject at each draft position 1..4 (the residual branch) and accept
+    all four (the bonus token from the last verification row): the law test covers them all."""
+    model = StubModel(table_target, table_draft, vocab=4)
+    seen: dict[int, int] = {}
+    for seed in range(200):
+        dec = SpeculativeDecoder(model, get_method("ca"), SpecSettings(draft_topk=1, draft_cap=4), EAGER,
+                                 SamplingParams(temperature=1.0, seed=seed))
+        accept = dec._accept_chain
+
+        def spy(*args, **kwargs):
+            a, nxt = accept(*args, **kwargs)
+            seen[a] = seen.get(a, 0) + 1
+            return a, nxt
+
+        dec._accept_chain = spy
+        dec.generate([START], 6)
+    assert set(seen) == {0, 1, 2, 3, 4} and min(seen.values()) >= 10, seen
+
+
+# -- seeds ----------------------------------------------------------------------------------------
+def _spec_tokens(seed, method="ca+ae"):
+    model = StubModel(table_target, table_draft, vocab=4)
+    dec = SpeculativeDecoder(model, get_method(method), SpecSettings(draft_topk=1, draft_cap=3), EAGER,
+                             SamplingParams(temperature=1.0, seed=seed))
+    return dec.generate([START], 24).tokens
+
+
+def _ar_tokens(seed):
+    return generate_ar(StubModel(table_target, table_draft, vocab=4), [START], 24,
+                       SamplingParams(temperature=1.0, seed=seed)).tokens
+
+
+@pytest.mark.parametrize("generate", [_spec_tokens, _ar_tokens], ids=["speculative", "ar"])
+def test_same_seed_same_tokens_different_seeds_differ(generate):
+    assert generate(11) == generate(11)
+    assert generate(0) == generate(0)
+    outputs = {tuple(generate(seed)) for seed in range(8)}
+    assert len(outputs) == 8  # 24 tokens of ~1.5 bits each: a collision would mean a seed is ignored
