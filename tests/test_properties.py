@@ -1,50 +1,97 @@
-"""Lossless guarantees as properties over random prompts, seeds, budgets and methods."""
+"""Lossless guarantees as properties over random prompts, seeds, budgets and draft settings, for every
+speculative method.
+
+Each method is its own test (so every method is exercised, whatever Hypothesis draws), and each test
+checks afterwards that the property was not vacuous: most examples drafted tokens, and the examples
+covered every draft top-k and draft cap (explicit examples guarantee the cover; Hypothesis adds
+random ones). Hypothesis runs derandomised without a database: the same examples on every machine
+and every run.
+"""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import assert_kv_is_fresh_prefill
 
 from s2moe.runtime.decoding.cost_model import CostConstants
-from s2moe.runtime.engine import build_engine
 from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.decoding.sampling import SamplingParams
 from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+from s2moe.runtime.engine import build_engine
 
-SETTINGS = settings(max_examples=25, deadline=None, database=None, derandomize=True,
+METHODS = ["ca", "ca+ae", "s2moe", "es", "confidence", "cascade"]
+DRAFT_K, CAPS = (1, 2), tuple(range(1, 8))
+
+
+def _settings(n: int):
+    return settings(max_examples=n, deadline=None, database=None, derandomize=True,
                     suppress_health_check=list(HealthCheck))
+
+
 prompts = st.lists(st.integers(0, 379), min_size=1, max_size=12)
 budgets = st.sampled_from([None, "0.5", "0.25", "0.1"])
-methods = st.sampled_from(["ca", "ca+ae", "s2moe", "es", "confidence", "cascade"])
 costs = st.builds(lambda t_ar, miss: CostConstants(t_ar=t_ar, c_draft=0.002, t_exp_miss=miss, t_exp_hit=miss / 10),
                   st.sampled_from([0.01, 1.0, 100.0]), st.sampled_from([0.0, 0.001, 0.05]))
+# tiny random models' draft top-1 probabilities lie in 0.0037–0.0054: these thresholds admit all,
+# about half, and a few of the confidence rule's tokens
+thresholds = st.sampled_from([0.0, 0.004, 0.0045])
+FAMILIES = ["olmoe", "qwen3_moe", "mixtral"]
+EAGER = CostConstants(t_ar=100.0, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.0001)
 
 
-@SETTINGS
-@given(prompt=prompts, budget=budgets, method=methods, cost=costs, draft_k=st.integers(1, 2),
-       cap=st.integers(1, 7), family=st.sampled_from(["olmoe", "qwen3_moe", "mixtral"]))
-def test_greedy_speculation_without_gating_equals_ar(tiny_model_dirs, prompt, budget, method, cost, draft_k, cap,
-                                                      family):
-    engine = build_engine(tiny_model_dirs[family][1], budget)
-    expected = generate_ar(engine.model, prompt, 14).tokens
-    dec = SpeculativeDecoder(engine.model, get_method(method, reuse_gating=False),
-                             SpecSettings(draft_topk=draft_k, draft_cap=cap), cost)
-    assert dec.generate(prompt, 14).tokens == expected
+def with_cover(prop):
+    """Explicit examples: every draft cap once, both draft top-k, the three families."""
+    for i, cap in enumerate(CAPS):
+        prop = example(prompt=[5 + i, 17, 42][: 1 + i % 3], budget=[None, "0.25"][i % 2], cost=EAGER,
+                       draft_k=DRAFT_K[i % 2], cap=cap, family=FAMILIES[i % 3], threshold=0.004)(prop)
+    return prop
 
 
-@SETTINGS
-@given(prompt=prompts, budget=budgets, method=methods, cost=costs, n=st.integers(2, 20), seed=st.integers(0, 99),
-       temperature=st.sampled_from([0.0, 1.0]))
-def test_committed_kv_equals_fresh_prefill(tiny_model_dirs, prompt, budget, method, cost, n, seed, temperature):
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_speculation_without_gating_equals_ar(tiny_model_dirs, method):
+    seen = []
+
+    @_settings(20)
+    @given(prompt=prompts, budget=budgets, cost=costs, draft_k=st.sampled_from(DRAFT_K), cap=st.sampled_from(CAPS),
+           family=st.sampled_from(FAMILIES), threshold=thresholds)
+    @with_cover
+    def prop(prompt, budget, cost, draft_k, cap, family, threshold):
+        engine = build_engine(tiny_model_dirs[family][1], budget)
+        expected = generate_ar(engine.model, prompt, 14).tokens
+        dec = SpeculativeDecoder(engine.model, get_method(method, reuse_gating=False),
+                                 SpecSettings(draft_topk=draft_k, draft_cap=cap, confidence_threshold=threshold), cost)
+        assert dec.generate(prompt, 14).tokens == expected
+        seen.append((draft_k, cap, dec.metrics.drafted))
+
+    prop()
+    assert {k for k, _, _ in seen} == set(DRAFT_K) and {c for _, c, _ in seen} == set(CAPS), seen
+    drafting = sum(1 for *_, d in seen if d > 0)
+    assert drafting >= len(seen) // 2, f"{method} drafted in only {drafting} of {len(seen)} examples"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_committed_kv_equals_fresh_prefill(tiny_model_dirs, method):
     """After any run of draft/verify/rollback steps (greedy or sampled) the committed KV is exactly
     what a fresh target prefill of the committed text computes. Reuse-aware gating is off: it
     changes the experts verification uses, so with it the KV is the gated target's by design."""
-    from s2moe.runtime.decoding.sampling import SamplingParams
+    seen = []
 
-    engine = build_engine(tiny_model_dirs["olmoe"][1], budget)
-    dec = SpeculativeDecoder(engine.model, get_method(method, reuse_gating=False),
-                             SpecSettings(draft_topk=1, draft_cap=5), cost, SamplingParams(temperature=temperature, seed=seed))
-    tokens = dec.generate(prompt, n).tokens
-    assert_kv_is_fresh_prefill(engine.model, dec.kv, prompt, tokens)
+    @_settings(10)
+    @given(prompt=prompts, budget=budgets, cost=costs, n=st.integers(2, 20), seed=st.integers(0, 99),
+           temperature=st.sampled_from([0.0, 1.0]), cap=st.sampled_from(CAPS), threshold=thresholds)
+    def prop(prompt, budget, cost, n, seed, temperature, cap, threshold):
+        engine = build_engine(tiny_model_dirs["olmoe"][1], budget)
+        dec = SpeculativeDecoder(engine.model, get_method(method, reuse_gating=False),
+                                 SpecSettings(draft_topk=1, draft_cap=cap, confidence_threshold=threshold), cost,
+                                 SamplingParams(temperature=temperature, seed=seed))
+        tokens = dec.generate(prompt, n).tokens
+        assert_kv_is_fresh_prefill(engine.model, dec.kv, prompt, tokens)
+        seen.append((temperature, dec.metrics.accepted))
+
+    prop()
+    assert {t for t, _ in seen} == {0.0, 1.0}
+    assert any(a > 0 for _, a in seen), f"{method}: no draft accepted in any example: rollback never tested"

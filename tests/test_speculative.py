@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from helpers import assert_kv_is_fresh_prefill
 
@@ -14,7 +13,6 @@ from s2moe.runtime.decoding.gating import ReuseGating
 from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.decoding.methods import SpecSettings, get_method
 from s2moe.runtime.model.routing import RoutingPolicy, route, softmax
-from s2moe.runtime.decoding.sampling import SamplingParams, probabilities
 from s2moe.runtime.decoding.speculative import SpeculativeDecoder, marginal_verification_cost
 
 LOSSLESS = ["ca", "ca+ae", "s2moe", "es", "confidence", "cascade"]
@@ -29,6 +27,11 @@ def _prompts(n, seed=0):
     return [list(rng.integers(0, 380, rng.integers(3, 12))) for _ in range(n)]
 
 
+# Tiny random models' draft top-1 probabilities lie in 0.0037–0.0054 (median 0.0041): a threshold
+# of 0.004 makes the confidence rule admit some tokens and stop at others (at 0.5 it drafts nothing).
+SETTINGS = SpecSettings(draft_topk=1, draft_cap=5, confidence_threshold=0.004)
+
+
 @pytest.mark.parametrize("family,budget", [("olmoe", None), ("olmoe", "0.25"), ("qwen3_moe", "0.5"),
                                            ("mixtral", "0.1")])
 def test_greedy_methods_equal_ar(tiny_model_dirs, family, budget):
@@ -39,9 +42,16 @@ def test_greedy_methods_equal_ar(tiny_model_dirs, family, budget):
     for name in LOSSLESS:
         spec = get_method(name, reuse_gating=False)
         for costs in (EAGER, FRUGAL):
-            dec = SpeculativeDecoder(engine.model, spec, SpecSettings(draft_topk=1, draft_cap=5), costs)
-            got = [dec.generate(p, 16).tokens for p in prompts]
+            dec = SpeculativeDecoder(engine.model, spec, SETTINGS, costs)
+            got, drafted, accepted = [], 0, 0
+            for p in prompts:
+                got.append(dec.generate(p, 16).tokens)
+                drafted, accepted = drafted + dec.metrics.drafted, accepted + dec.metrics.accepted
             assert got == expected, (name, costs.t_ar)
+            # the comparison is not empty: every method drafted (AE under FRUGAL costs only a few
+            # tokens whose experts are already selected), and drafts were accepted
+            assert drafted > 0, (name, costs.t_ar)
+            assert accepted > 0 or (spec.admit == "utility" and costs is FRUGAL), (name, costs.t_ar)
 
 
 def test_no_share_kv_ablation_is_lossless(tiny_model_dirs):
@@ -59,38 +69,6 @@ def test_committed_kv_equals_fresh_prefill(tiny_model_dirs, name):
     prompt = _prompts(1, seed=9)[0]
     tokens = dec.generate(prompt, 23).tokens
     assert_kv_is_fresh_prefill(engine.model, dec.kv, prompt, tokens)
-
-
-def test_stochastic_verification_preserves_the_target_distribution(tiny_model_dirs):
-    """Chi-square on the joint law of the first two sampled tokens (top-k 3 → 9 outcomes)."""
-    engine = build_engine(tiny_model_dirs["olmoe"][1])
-    model = engine.model
-    params = SamplingParams(temperature=1.0, top_k=3)
-    prompt = [5, 17, 42]
-    kv = model.new_cache(8)
-    logits, _ = model.forward(prompt, kv, record=False)
-    kv.commit(3)
-    p1 = probabilities(logits[-1], params)
-    expected = {}
-    for t1 in np.nonzero(p1)[0]:
-        kv.rollback(3)
-        l2, _ = model.forward([int(t1)], kv, record=False)
-        p2 = probabilities(l2[-1], params)
-        for t2 in np.nonzero(p2)[0]:
-            expected[(int(t1), int(t2))] = p1[t1] * p2[t2]
-    spec = get_method("ca", reuse_gating=False)  # fixed-length chain: every token drafted
-    counts = dict.fromkeys(expected, 0)
-    n = 1500
-    for seed in range(n):
-        dec = SpeculativeDecoder(model, spec, SpecSettings(draft_topk=1, draft_cap=2), EAGER,
-                                 SamplingParams(temperature=1.0, top_k=3, seed=seed))
-        toks = tuple(dec.generate(prompt, 2).tokens)
-        counts[toks] += 1
-    keys = sorted(expected)
-    f_obs = np.array([counts[k] for k in keys])
-    f_exp = np.array([expected[k] for k in keys]) * n
-    assert f_obs.sum() == n
-    assert stats.chisquare(f_obs, f_exp).pvalue > 1e-3
 
 
 def test_marginal_cost_counts_only_new_experts_and_resident_is_cheaper():
@@ -132,6 +110,33 @@ def test_reuse_gating_bias_changes_selection_never_weights(rng):
     assert len(preferred) == 3 and set(experts.ravel()) <= preferred  # large λ: all pick from E*
     probs = softmax(logits.copy())
     np.testing.assert_allclose(weights, np.take_along_axis(probs, experts, -1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["paper", "code"])
+def test_reuse_gating_bias_by_hand(variant):
+    """E* = the cap experts the batch weighs most (g_e = Σ_b w_b ℓ_b,e), each token's bias on E* is
+    strength × (its top-1 − its (k+1)-th logit) (paper) or the batch mean of that gap (code)."""
+    logits = np.array([[3, 2, 1, 0, -1, -2],
+                       [0, 3, 2, 1, -1, -2],
+                       [-2, -1, 0, 1, 2, 4]], dtype=np.float64)
+    conf = np.array([1.0, 0.5, 0.25])
+    rg = ReuseGating(top_k=2, cap=3, variant=variant, strength=1.0, confidences=conf)
+    if variant == "paper":
+        # w = confidences; g = [2.5, 3.25, 2.0, 0.75, -1.0, -2.0] → E* = {0, 1, 2}
+        preferred, lam = [0, 1, 2], np.array([2.0, 2.0, 3.0])  # gaps 3−1, 3−1, 4−1
+    else:
+        # w = (max − mean) / max_b: [2.5, 2.5, 10/3] / (10/3) = [0.75, 0.75, 1]
+        # g = [0.25, 2.75, 2.25, 1.75, 0.5, 1.0] → E* = {1, 2, 3}; λ = the mean gap 7/3
+        preferred, lam = [1, 2, 3], np.full(3, 7 / 3)
+    expected = np.zeros_like(logits)
+    expected[:, preferred] = lam[:, None]
+    np.testing.assert_allclose(rg.bias(0, logits), expected, rtol=1e-12, atol=1e-12)
+    # the bias pulls selection toward the batch's experts, never away from them
+    biased, _ = route(logits.astype(np.float32), 2, "softmax_topk", False, rg.bias(0, logits))
+    plain, _ = route(logits.astype(np.float32), 2, "softmax_topk", False, None)
+    overlap = lambda e: sum(len(set(row) & set(preferred)) for row in e.tolist())  # noqa: E731
+    assert overlap(biased) > overlap(plain)
+    assert ReuseGating(top_k=6, cap=8, variant=variant, confidences=conf).bias(0, logits) is None  # k ≥ E
 
 
 def test_reuse_gating_lowers_reuse_ratio(tiny_model_dirs):
