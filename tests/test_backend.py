@@ -16,7 +16,11 @@ from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
 import fake_cupy
 import tiny_models as tm
+from helpers import TOL
 from test_replay import UNUSED
+
+
+DEVICE_TOL = 5e-5  # device vs host on the embedded model (logits up to ±20): measured 8.6e-6
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +54,14 @@ def test_device_logits_match_numpy_and_syncs_are_the_documented_ones(loaded, dev
     before = device.host_reads
     got, rec = dev.forward(tokens, kv_d)
     assert isinstance(got, np.ndarray) and not isinstance(got, fake_cupy.DeviceArray)  # logits land on the host
-    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    # the embedded model's logits reach ±20: the device path's other summation order measured 8.6e-6
+    np.testing.assert_allclose(got, ref, atol=DEVICE_TOL, rtol=0)
     # one read per MoE layer (router logits, to choose experts) and one for the logits: nothing else
     assert device.host_reads - before == len(loaded.config.moe_layer_ids) + 1
     assert all(isinstance(r.logits, np.ndarray) for r in rec.layers.values())
     # decode after prefill, from the device KV cache
     kv_h.commit(6), kv_d.commit(6)
-    np.testing.assert_allclose(dev.forward([11], kv_d)[0], host.forward([11], kv_h)[0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(dev.forward([11], kv_d)[0], host.forward([11], kv_h)[0], atol=DEVICE_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("method,gating", [("s2moe", False), ("s2moe", True), ("ar", False)])
@@ -113,7 +118,7 @@ def test_other_families_run_on_the_device_path(tmp_path, device, family):
     tokens = [1, 5, 9, 2, 7]
     ref, _ = host.forward(tokens, host.new_cache(8))
     got, _ = dev.forward(tokens, dev.new_cache(8))
-    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)  # measured ≤ 2.7e-7
 
 
 def test_start_up_estimates_run_on_the_device_path(loaded, device):

@@ -66,7 +66,7 @@ def test_gguf_export_matches_safetensors(default, tmp_path):
         ids = tok.encode(prompt).ids
         la, _ = a.forward(ids, a.new_cache(len(ids)))
         lb, _ = b.forward(ids, b.new_cache(len(ids)))
-        np.testing.assert_allclose(la, lb, atol=1e-3, rtol=0)  # fp16 weights in both files
+        np.testing.assert_allclose(la, lb, atol=1e-5, rtol=0)  # the same fp16 weights: measured 0.0
         assert generate_ar(a, ids, 24).tokens == generate_ar(b, ids, 24).tokens
 
 

@@ -1,7 +1,7 @@
 """DeepSeek-V2/V3 and GPT-OSS against transformers: logits (HF and GGUF), routing, expert bytes,
 MXFP4 (bit-exact dequantisation, GGUF and safetensors experts), speculative decoding, `s2moe info`.
 
-Tiny random models (tests/tiny_models.py, EXTRA_FAMILIES); float32 throughout, tolerance 1e-4.
+Tiny random models (tests/tiny_models.py, EXTRA_FAMILIES); float32 throughout, tolerance helpers.TOL (1e-5).
 """
 
 from __future__ import annotations
