@@ -1,0 +1,384 @@
+"""docs/reliability.md, row by row: each hostile input gets its documented outcome (the error, its
+text and the exit code), asserted through the public entry points (`s2moe` commands run in-process,
+`load_model`, `build_engine`). Rows tested elsewhere name their test in the document.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import struct
+import tracemalloc
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from s2moe.runtime.cli import app
+from s2moe.runtime.cli.errors import cli_errors
+from s2moe.runtime.errors import ExpertReadError, KVCacheError, S2MoEError
+from s2moe.runtime.model.loader import load_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def s2moe(*args):
+    """Run an `s2moe` command in-process: (exit code, stdout, stderr)."""
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception  # not handled by the CLI's error table: the documented outcome did not happen
+    return r.exit_code, r.stdout, r.stderr
+
+
+def one_line_error(code, stderr, *needles, exit_code=2):
+    lines = stderr.strip().splitlines()
+    assert code == exit_code, (code, stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+# -- safetensors headers --------------------------------------------------------------------------
+def _safetensors_folder(tiny_model_dirs, tmp_path, header: bytes | dict, data: bytes = b"", length=None):
+    """A model folder (a real config and tokenizer) whose only weights file has this header."""
+    src = tiny_model_dirs["olmoe"][1]
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(src, name), folder / name)
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(raw) if length is None else length
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", n) + raw + data)
+    return folder
+
+
+F32x4 = {"dtype": "F32", "shape": [4]}
+SAFETENSORS_CASES = {
+    # row: header claiming 10¹² bytes (refused before reading or allocating it)
+    "huge header length": (b"{}", b"", 10**12, "header claims 1000000000000 bytes"),
+    # row: nested-JSON bomb (the parser's recursion limit becomes our error, not a crash)
+    "nested JSON bomb": (b"[" * 200_000 + b"]" * 200_000, b"", None, "header is not valid JSON"),
+    # row: non-integer shapes / offsets
+    "float shape": ({"w": {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 10]}}, bytes(16), None,
+                    "tensor w: malformed header entry"),
+    "string offsets": ({"w": {**F32x4, "data_offsets": ["0", "16"]}}, bytes(16), None, "tensor w: malformed header entry"),
+    "bool shape": ({"w": {"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}}, bytes(16), None,
+                   "tensor w: malformed header entry"),
+    # row: overlapping tensors
+    "overlap": ({"a": {**F32x4, "data_offsets": [0, 16]}, "b": {**F32x4, "data_offsets": [8, 24]}}, bytes(24), None,
+                "tensors a and b overlap"),
+    # row: unknown dtypes
+    "unknown dtype": ({"w": {"dtype": "Q9", "shape": [4], "data_offsets": [0, 16]}}, bytes(16), None,
+                      "tensor w: unsupported dtype Q9"),
+    # row: offsets that do not hold the shape, negative dimensions, data past the end of the file
+    "offsets vs shape": ({"w": {**F32x4, "data_offsets": [0, 12]}}, bytes(16), None, "do not hold shape [4] of F32"),
+    "negative dim": ({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 0]}}, b"", None, "negative dimension"),
+    "past the end": ({"w": {**F32x4, "data_offsets": [0, 16]}}, bytes(8), None, "truncated: tensor w ends at byte"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAFETENSORS_CASES))
+def test_hostile_safetensors_header_is_one_line_exit_2(tiny_model_dirs, tmp_path, case):
+    header, data, length, needle = SAFETENSORS_CASES[case]
+    folder = _safetensors_folder(tiny_model_dirs, tmp_path, header, data, length)
+    code, _, stderr = s2moe("info", "--model", folder)
+    one_line_error(code, stderr, needle, "model.safetensors")
+    # refused while parsing the header: nothing allocated for what the header claims
+    tracemalloc.start()
+    try:
+        with pytest.raises(S2MoEError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            load_model(str(folder))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+
+
+# -- GGUF headers ---------------------------------------------------------------------------------
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_layout(data: bytes) -> dict:
+    """Byte positions in a GGUF v3 file, found by our own walk (independent of the product's
+    parser): the first string value, and per tensor its name's length field and its offset field."""
+    pos, n_tensors, n_kv = 24, *struct.unpack_from("<QQ", data, 8)
+    first_string = None
+
+    def skip(kind):
+        nonlocal pos, first_string
+        if kind in _SCALAR:
+            pos += _SCALAR[kind]
+        elif kind == 8:
+            if first_string is None:
+                first_string = pos
+            pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        else:  # array
+            sub, count = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            for _ in range(count):
+                skip(sub)
+
+    for _ in range(n_kv):
+        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        kind = struct.unpack_from("<I", data, pos)[0]
+        pos += 4
+        skip(kind)
+    tensors = {}
+    for _ in range(n_tensors):
+        at = pos
+        n = struct.unpack_from("<Q", data, pos)[0]
+        name = data[pos + 8: pos + 8 + n].decode()
+        pos += 8 + n
+        dims = struct.unpack_from("<I", data, pos)[0]
+        pos += 4 + 8 * dims + 4
+        tensors[name] = (at, pos)  # name field, offset field
+        pos += 8
+    return {"first_string": first_string, "tensors": tensors}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_dirs, tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    code, _, stderr = s2moe("convert", "-m", tiny_model_dirs["olmoe"][1], "-o", path, "--type", "F32")
+    assert code == 0, stderr
+    return path.read_bytes()
+
+
+def _same_length_pair(tensors: dict) -> tuple[str, str]:
+    by_len: dict[int, list[str]] = {}
+    for name in tensors:
+        by_len.setdefault(len(name), []).append(name)
+    return next(sorted(v)[:2] for v in by_len.values() if len(v) >= 2 and "blk" in v[0])
+
+
+def _gguf_case(data: bytes, case: str) -> tuple[bytes, str]:
+    b = bytearray(data)
+    layout = gguf_layout(data)
+    tensors = layout["tensors"]
+    if case == "10^12 tensors":  # row: GGUF header claiming 10¹² tensors
+        b[8:16] = struct.pack("<Q", 10**12)
+        return bytes(b), "cannot fit"
+    if case == "10^12 metadata entries":
+        b[16:24] = struct.pack("<Q", 10**12)
+        return bytes(b), "cannot fit"
+    if case == "string length":  # row: a string length mutated: the pre-scan refuses it
+        b[layout["first_string"]:layout["first_string"] + 8] = struct.pack("<Q", 10**12)
+        return bytes(b), "runs past the end of the file"
+    first, second = _same_length_pair(tensors)
+    if case == "duplicate tensor":  # row: duplicates refused
+        at = tensors[second][0]
+        b[at + 8: at + 8 + len(first)] = first.encode()
+        return bytes(b), first  # and "appears twice" (ours) or "duplicated" (gguf's GGUFReader)
+    if case == "overlapping tensors":  # row: overlapping tensors refused
+        src, dst = tensors[first][1], tensors[second][1]
+        b[dst:dst + 8] = b[src:src + 8]
+        return bytes(b), "overlap"
+    raise ValueError(case)
+
+
+GGUF_CASES = ["10^12 tensors", "10^12 metadata entries", "string length", "duplicate tensor", "overlapping tensors"]
+
+
+@pytest.mark.parametrize("case", GGUF_CASES)
+def test_hostile_gguf_header_is_one_line_exit_2(tiny_gguf, tmp_path, case):
+    data, needle = _gguf_case(tiny_gguf, case)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    code, _, stderr = s2moe("info", "--model", path)
+    one_line_error(code, stderr, needle, "bad.gguf")
+    if case == "duplicate tensor":
+        assert "appears twice" in stderr or "duplicated" in stderr, stderr
+
+
+def test_the_unmodified_gguf_loads(tiny_gguf, tmp_path):
+    """The cases above fail because of their one edit: the file they start from is fine."""
+    path = tmp_path / "ok.gguf"
+    path.write_bytes(tiny_gguf)
+    code, stdout, stderr = s2moe("info", "--model", path, "--json")
+    assert code == 0, stderr
+    assert json.loads(stdout)["architecture"] == "olmoe"
+
+
+# -- O_DIRECT refused -----------------------------------------------------------------------------
+@pytest.mark.parametrize("run", ["first", "again"])  # "again": the note is not lost to the previous test
+def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so_once(tiny_model_dirs, monkeypatch, capsys, run):
+    """A file system that refuses O_DIRECT (open fails with EINVAL, as on tmpfs): reads are
+    buffered, give the same bytes, drop their pages with posix_fadvise(DONTNEED), and one note on
+    stderr says so, once, however many reads and stores follow. Run twice in one process: the
+    warn-once memory is reset between tests (conftest.py), so the order of tests does not matter."""
+    from s2moe.runtime.engine import build_engine
+    from s2moe.runtime.decoding.generate import generate_ar
+
+    folder = tiny_model_dirs["olmoe"][1]
+    expected = generate_ar(build_engine(folder, "0.25", direct_io=False).model, [1, 2, 3], 6).tokens
+    capsys.readouterr()
+    real_open, real_fadvise = os.open, getattr(os, "posix_fadvise", None)
+    refused, dropped = [], []
+
+    def open_refusing_direct(path, flags, *args, **kwargs):
+        if flags & getattr(os, "O_DIRECT", 0):
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def fadvise(fd, offset, length, advice):
+        dropped.append(advice)
+        if real_fadvise is not None:
+            real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0o40000), raising=False)
+    monkeypatch.setattr(os, "open", open_refusing_direct)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise, raising=False)
+    monkeypatch.setattr(os, "POSIX_FADV_DONTNEED", getattr(os, "POSIX_FADV_DONTNEED", 4), raising=False)
+    for _ in range(2):  # two engines, two stores: still one note
+        engine = build_engine(folder, "0.25")
+        assert generate_ar(engine.model, [1, 2, 3], 6).tokens == expected
+    assert refused
+    assert dropped and set(dropped) == {os.POSIX_FADV_DONTNEED}
+    notes = [line for line in capsys.readouterr().err.splitlines() if "O_DIRECT refused" in line]
+    assert len(notes) == 1 and "posix_fadvise(DONTNEED)" in notes[0], notes
+
+
+# -- the model file replaced while running --------------------------------------------------------
+def test_model_file_replaced_keeps_reading_the_original(tiny_model_dirs, tmp_path):
+    """A new file renamed over the model (a new inode) does not change a running engine: its
+    descriptor still reads the original, so output stays that of the model loaded."""
+    import tiny_models as tm
+
+    from s2moe.runtime.decoding.generate import generate_ar
+    from s2moe.runtime.engine import build_engine
+
+    folder = shutil.copytree(tiny_model_dirs["olmoe"][1], tmp_path / "m")
+    other = tm.save(tm.build("olmoe", seed=1), tmp_path / "other", fused=False)
+    engine = build_engine(str(folder), "0.25")
+    before = generate_ar(engine.model, [7, 8, 9], 8).tokens
+    os.replace(os.path.join(other, "model.safetensors"), folder / "model.safetensors")
+    engine.cache.clear()  # every expert is read again, after the replacement
+    assert generate_ar(engine.model, [7, 8, 9], 8).tokens == before
+    fresh = build_engine(str(folder), "0.25")  # the new file really is another model
+    assert generate_ar(fresh.model, [7, 8, 9], 8).tokens != before
+
+
+# -- a profile made for another model -------------------------------------------------------------
+def _profile(tmp_path, fingerprint=None, policy="warn") -> str:
+    data = json.load(open(os.path.join(ROOT, "profiles", "orin-16g.json")))
+    data.pop("published")
+    data["source"] = "measured"
+    data["budget"] = {"spec": "0.5"}
+    data["hot_experts"] = {"gpu_experts": [[0, 1], [1, 2]]}
+    data["model"]["fingerprint_policy"] = policy
+    if fingerprint:
+        data["model"]["fingerprint"] = fingerprint
+    path = tmp_path / f"profile-{policy}-{bool(fingerprint)}.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _run_with_profile(folder, profile):
+    code, stdout, stderr = s2moe("run", "-m", folder, "-p", "def f", "-n", "3", "--json", "--profile", profile)
+    return code, (json.loads(stdout)["stats"] if code == 0 else None), " ".join(stderr.split())
+
+
+def test_profile_for_another_model_warns_once_and_ignores_its_hot_list(tiny_model_dirs, tmp_path):
+    folder = tiny_model_dirs["olmoe"][1]
+    code, stats, stderr = _run_with_profile(folder, _profile(tmp_path))
+    assert code == 0, stderr
+    assert stderr.count("was made for OLMoE-1B-7B, not this model") == 1
+    assert "ignoring its hot-expert list" in stderr
+    assert stats["cost_constants"]["source"].startswith("profile")  # its constants are used
+    assert stats["cost_constants"]["t_ar"] == pytest.approx(0.1)  # orin-16g: T_AR 100 ms
+    assert stats["offload"]["budget"] == "50% of expert bytes"  # and its settings
+    assert stats["offload"]["cache"]["pinned"] == 0  # its hot list is not
+
+
+def test_profile_for_this_model_pins_its_hot_list_without_warning(tiny_model_dirs, tmp_path):
+    from s2moe.runtime.profile import model_fingerprint
+
+    folder = tiny_model_dirs["olmoe"][1]
+    profile = _profile(tmp_path, fingerprint=model_fingerprint(load_model(folder)))
+    code, stats, stderr = _run_with_profile(folder, profile)
+    assert code == 0, stderr
+    assert "was made for" not in stderr
+    assert stats["offload"]["cache"]["pinned"] == 2
+
+
+def test_profile_for_another_model_is_refused_when_it_says_so(tiny_model_dirs, tmp_path):
+    folder = tiny_model_dirs["olmoe"][1]
+    profile = _profile(tmp_path, policy="refuse")
+    code, _, stderr = s2moe("run", "-m", folder, "-p", "def f", "-n", "3", "--profile", profile)
+    one_line_error(code, stderr, os.path.basename(profile), "made for model OLMoE-1B-7B",
+                   "run s2moe-calib profile for this model")
+
+
+# -- the exit-code table --------------------------------------------------------------------------
+@pytest.mark.parametrize("exc,code", [
+    (S2MoEError("bad input"), 2), (KVCacheError("cannot roll back to 9"), 3),
+    (ExpertReadError("model.safetensors: reading expert 3 of layer 1 failed"), 4), (KeyboardInterrupt(), 130),
+])
+def test_exit_codes(exc, code, capsys, monkeypatch):
+    import typer
+
+    monkeypatch.delenv("S2MOE_DEBUG", raising=False)
+    with pytest.raises(typer.Exit) as info:
+        with cli_errors():
+            raise exc
+    assert info.value.exit_code == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == (["error: interrupted"] if code == 130 else [f"error: {exc}"])
+
+
+def test_interrupt_during_a_run_exits_130(tiny_model_dirs, monkeypatch):
+    from s2moe.runtime.decoding import speculative
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speculative.SpeculativeDecoder, "generate", interrupted)
+    code, _, stderr = s2moe("run", "-m", tiny_model_dirs["olmoe"][1], "-p", "def f", "-n", "3")
+    assert code == 130 and stderr.strip().splitlines()[-1] == "error: interrupted", stderr
+    assert "Traceback" not in stderr
+
+
+def test_every_documented_row_names_a_test_that_exists():
+    """docs/reliability.md: every row names a test (or says 'by construction'), and each named
+    test exists, so the table cannot silently lose its backing."""
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "reliability.md"), encoding="utf-8").read()
+    rows = [line for line in text.splitlines() if line.startswith("|") and not line.startswith(("| hostile", "|---"))]
+    assert len(rows) >= 20
+    tests_dir = os.path.join(ROOT, "tests")
+    for row in rows:
+        cell = row.rstrip("|").split("|")[-1].strip()
+        refs = re.findall(r"(test_\w+\.py)(?:::(\w+))?", cell)
+        assert refs, f"row without a test: {row}"
+        for file, name in refs:
+            source = open(os.path.join(tests_dir, file), encoding="utf-8").read()
+            if name:
+                assert re.search(rf"def {name}\b", source), f"{file}::{name} named in docs/reliability.md is missing"
+
+
+# -- budgets and hot-expert files through `s2moe run` ---------------------------------------------
+@pytest.mark.parametrize("budget,needles", [
+    ("lots", ["--budget"]), ("1.5", ["--budget"]), ("-1", ["--budget"]),
+    ("10k", ["--budget", "below the dense part", "need at least"]),
+])
+def test_bad_budget_is_one_line_exit_2(tiny_model_dirs, budget, needles):
+    code, _, stderr = s2moe("run", "-m", tiny_model_dirs["olmoe"][1], "-p", "def f", "-n", "2", "--budget", budget)
+    one_line_error(code, stderr, *needles)
+
+
+@pytest.mark.parametrize("entries,needle", [
+    ([[0, 1], [0, 1]], "gpu_experts[1]: duplicate entry [0, 1]"),
+    ([[0, 1], [0, 99]], "gpu_experts[1]: expert 99 out of range"),
+    ([[5, 1]], "gpu_experts[0]: layer 5 is not a MoE layer"),
+    ([[0, "a"]], "gpu_experts[0] = [0, 'a'] is not a [layer, expert] pair"),
+])
+def test_bad_hot_expert_file_names_file_and_entry(tiny_model_dirs, tmp_path, entries, needle):
+    path = tmp_path / "hot.json"
+    path.write_text(json.dumps({"gpu_experts": entries}))
+    code, _, stderr = s2moe("run", "-m", tiny_model_dirs["olmoe"][1], "-p", "def f", "-n", "2", "--budget", "0.5",
+                            "--hot-experts", path)
+    one_line_error(code, stderr, str(path), needle)
