@@ -169,13 +169,54 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
 
 
 def test_emulated_tier_is_recovered(calib_model):
-    """Under a known emulated link the bandwidth stage recovers bandwidth and latency within 10 %."""
+    """Under a known emulated link the bandwidth stage recovers bandwidth and latency within 10 %.
+
+    Robust to a loaded machine: the link is slow enough (40 MB/s, 3 ms) that a scheduler delay of
+    a fraction of a millisecond is a small share of each timed read, each size's median is taken,
+    and a run disturbed anyway is retried (at most 4 runs, about 1 s each); load only ever makes
+    reads slower, so one undisturbed run shows the measurement is right."""
     from s2moe.calib.measure import offload_bandwidth
     from s2moe.runtime.model.loader import load_model
     from s2moe.runtime.offload.store import Emulation, ExpertStore
 
     loaded = load_model(calib_model)
-    store = ExpertStore(loaded, emulation=Emulation(400.0, 300.0), threads=1)
-    bw = offload_bandwidth(store, loaded, reps=4)
-    assert bw["bandwidth_mb_s"] == pytest.approx(400.0, rel=0.1)
-    assert bw["latency_us"] == pytest.approx(300.0, rel=0.1)
+    store = ExpertStore(loaded, emulation=Emulation(40.0, 3000.0), threads=1)
+    runs = []
+    for _ in range(4):
+        bw = offload_bandwidth(store, loaded, reps=6)
+        runs.append((round(bw["bandwidth_mb_s"], 2), round(bw["latency_us"], 1)))
+        if abs(bw["bandwidth_mb_s"] / 40.0 - 1) < 0.1 and abs(bw["latency_us"] / 3000.0 - 1) < 0.1:
+            break
+    else:
+        pytest.fail(f"bandwidth/latency never within 10 % of 40 MB/s, 3000 µs: {runs}")
+
+
+def _measured_profile_with(tmp_path, **changes) -> str:
+    data = _measured_like(tmp_path)
+    data["model"]["expert_bytes_stored"] = 3 << 20  # 3 MiB
+    data["cost_model"].update(t_ar_ms=120.5, c_draft_ms=8.25, t_exp_miss_ms=0.75)
+    data["speculative"].update(draft_topk=2, reuse_cap=16, draft_cap=6)
+    data["hot_experts"] = {"gpu_experts": [[0, 3], [1, 5]]}
+    for key, value in changes.items():
+        data["cost_model"][key] = value
+    path = tmp_path / "measured.json"
+    save_profile(str(path), data)
+    return str(path)
+
+
+def test_export_of_a_measured_profile_by_hand(tmp_path):
+    """A measured profile exports the published fork's flags computed from its own numbers: the
+    true expert size in MiB, and the bandwidth that makes MiB / (MiB/ms) equal the fitted T_exp
+    (3 MiB / 0.75 ms = 4 MiB/ms); its hot list goes to the hot file."""
+    path = _measured_profile_with(tmp_path)
+    hot = tmp_path / "hot.json"
+    r = calib("export", "--profile", path, "--format", "llama-cpp", "--json", "--hot-out", str(hot))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"prune_tpot": 120.5, "prune_eps": 8.25, "prune_expert_bytes": 3.0,
+                                    "prune_bandwidth": 4.0, "draft_expert_topk": 2, "moe_reuse_expert_cap": 16,
+                                    "draft": 6}
+    assert json.loads(hot.read_text()) == {"gpu_experts": [[0, 3], [1, 5]]}
+    line = calib("export", "--profile", path, "--hot-out", str(hot)).stdout.split()
+    assert line == ["--prune-tpot", "120.5", "--prune-eps", "8.25", "--prune-expert-bytes", "3.0",
+                    "--prune-bandwidth", "4.0", "--draft-expert-topk", "2", "--moe-reuse-expert-cap", "16",
+                    "--draft", "6"]
