@@ -58,6 +58,7 @@ F32x4 = {"dtype": "F32", "shape": [4]}
 SAFETENSORS_CASES = {
     # row: header claiming 10¹² bytes (refused before reading or allocating it)
     "huge header length": (b"{}", b"", 10**12, "header claims 1000000000000 bytes"),
+    "header longer than the file": (b"{}", b"", 1000, "header claims 1000 bytes"),
     # row: nested-JSON bomb (the parser's recursion limit becomes our error, not a crash)
     "nested JSON bomb": (b"[" * 200_000 + b"]" * 200_000, b"", None, "header is not valid JSON"),
     # row: non-integer shapes / offsets

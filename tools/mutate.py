@@ -1,0 +1,378 @@
+"""Mutation testing: inject known bugs one at a time into a scratch copy and check the suite fails.
+
+Each mutation replaces one exact snippet of one file (the snippet must occur exactly once, else the
+mutation is reported as ``stale``: the code moved, update the list) and runs pytest on the tests
+most likely to catch it (``--full``: the whole suite). A mutation is ``caught`` when pytest fails
+(or errors, or times out), ``survived`` when it passes. The repository itself is never touched:
+the copy lives under a temporary folder, importable as ``s2moe`` through a small shim
+(``s2moe/runtime`` → ``runtime/`` and so on, as pyproject's package-dir maps them) on PYTHONPATH.
+
+    python tools/mutate.py                     # every mutation, targeted tests
+    python tools/mutate.py --only accept-always seed-ignored
+    python tools/mutate.py --full --json out.json
+    python tools/mutate.py --source HEAD       # the committed tree instead of the working tree
+    python tools/mutate.py --source HEAD --overlay tests/test_x.py runtime/decoding/speculative.py
+    python tools/mutate.py --list
+
+Exit status: 0 when every mutation is caught, 1 when one survived or is stale, 2 on a bad baseline
+(the unmutated copy fails its tests). Run it before resolving an issue that touches decoding or
+parsing, and add a mutation for each bug a new test is meant to catch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIM = {"runtime": "runtime", "calib": "calib", "csrc": "csrc"}  # s2moe/<name> → <folder>
+
+
+@dataclass
+class Mutation:
+    id: str
+    file: str
+    original: str
+    replacement: str
+    tests: list[str]  # pytest arguments: files, node ids, or "-k", "expr"
+    note: str = ""
+    # a snippet whose presence in the file makes the mutation equivalent (no behaviour can change):
+    # reported as "equivalent", not as survived; the mutation becomes live when the snippet goes
+    equivalent_if: str = ""
+    equivalent_why: str = ""
+
+
+T_SAMPLED = ["tests/test_sampled_speculation.py"]
+T_LAW = ["tests/test_sampled_speculation.py", "-k", "target_law"]
+T_GREEDY = ["tests/test_speculative.py", "-k", "greedy_methods_equal_ar"]
+T_KV = ["tests/test_properties.py::test_committed_kv_equals_fresh_prefill",
+        "tests/test_speculative.py::test_committed_kv_equals_fresh_prefill", "tests/test_kv_cache.py"]
+T_RG = ["tests/test_speculative.py", "-k", "reuse_gating"]
+T_SAMPLING = ["tests/test_sampling.py"]
+T_POLICY = ["tests/test_cache_policy.py"]
+T_ST = ["tests/test_reliability.py", "tests/test_fuzz.py", "-k", "safetensors"]
+T_GGUF = ["tests/test_reliability.py", "-k", "gguf"]
+T_PROFILE = ["tests/test_reliability.py", "-k", "profile"]
+T_EXPORT = ["tests/test_calib.py", "-k", "export"]
+
+SPEC = "runtime/decoding/speculative.py"
+ST = "runtime/model/formats/safetensors_index.py"
+GGUF = "runtime/model/formats/gguf_index.py"
+CACHE = "runtime/offload/cache.py"
+SPEC_OPTIONS = "runtime/cli/spec_options.py"
+
+MUTATIONS: list[Mutation] = [
+    # -- the ten bugs of issue 13 -------------------------------------------------------------------
+    Mutation("accept-always", SPEC, "if rng.random() < min(1.0, p[token] / q[token]):", "if True:", T_LAW,
+             "stochastic verification accepts every draft token"),
+    Mutation("residual-is-p", SPEC, "residual = np.maximum(p - q, 0.0)", "residual = p.copy()", T_LAW,
+             "on rejection, resample from p instead of max(p - q, 0)"),
+    Mutation("accept-q-over-p", SPEC, "min(1.0, p[token] / q[token])", "min(1.0, q[token] / p[token])", T_LAW,
+             "accept with q/p"),
+    Mutation("seed-ignored", SPEC, "rng = np.random.default_rng(self.params.seed)", "rng = np.random.default_rng()",
+             T_SAMPLED + ["-k", "seed"], "the sampling seed ignored (speculative decoding)"),
+    Mutation("lfu-decay-removed", CACHE,
+             "return self.count[key] * 0.5 ** ((self.clock - self.last.get(key, self.clock)) / self.half_life)",
+             "return self.count[key]", T_POLICY, "LFU counts never decay"),
+    Mutation("fingerprint-check-disabled", SPEC_OPTIONS,
+             'matches = prof.data["model"]["fingerprint"] == model_fingerprint(loaded)', "matches = True", T_PROFILE,
+             "a profile made for another model is taken as this model's"),
+    Mutation("safetensors-overlap-check-removed", ST, "        if b1 < e0:\n", "        if False:\n", T_ST,
+             "overlapping safetensors tensors accepted"),
+    Mutation("recursion-guard-removed", ST, "except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:",
+             "except (UnicodeDecodeError, json.JSONDecodeError) as exc:", T_ST, "a nested-JSON bomb crashes the CLI"),
+    Mutation("gguf-duplicate-check-removed", GGUF, "if t.name in self.tensors:", "if False:", T_GGUF,
+             "duplicate GGUF tensor names accepted",
+             equivalent_if="self.reader = GGUFReader(path",
+             equivalent_why="gguf's GGUFReader refuses duplicate names before this check runs"),
+    Mutation("gguf-overlap-check-removed", GGUF, "        if b1 < e0:\n", "        if False:\n", T_GGUF,
+             "overlapping GGUF tensors accepted"),
+    Mutation("export-bandwidth-inverted", "calib/fit_export.py", '"prune_bandwidth": round(mib / t_exp, 6)',
+             '"prune_bandwidth": round(t_exp / mib, 6)', T_EXPORT, "measured profile exported with T_exp / MiB"),
+    # -- sampling, acceptance, residual, seeds ------------------------------------------------------
+    Mutation("seed-ignored-ar", "runtime/decoding/generate.py", "rng = np.random.default_rng(params.seed)",
+             "rng = np.random.default_rng()", T_SAMPLED + ["-k", "seed"], "the sampling seed ignored (AR)"),
+    Mutation("bonus-from-root-row", SPEC, "return len(d.tokens), sample(logits[rows[-1]], self.params, rng)",
+             "return len(d.tokens), sample(logits[rows[0]], self.params, rng)", T_LAW,
+             "the bonus token sampled from the root's row"),
+    Mutation("bonus-from-draft", SPEC, "return len(d.tokens), sample(logits[rows[-1]], self.params, rng)",
+             "return len(d.tokens), (int(rng.choice(d.dists[-1].size, p=d.dists[-1])) if d.dists and "
+             "d.dists[-1] is not None else sample(logits[rows[-1]], self.params, rng))", T_LAW,
+             "the bonus token drawn from the last draft distribution"),
+    Mutation("residual-from-q", SPEC, "residual = np.maximum(p - q, 0.0)", "residual = np.maximum(q - p, 0.0)",
+             T_LAW, "residual max(q - p, 0)"),
+    Mutation("accept-inverted", SPEC, "if rng.random() < min(1.0, p[token] / q[token]):",
+             "if rng.random() >= min(1.0, p[token] / q[token]):", T_LAW, "accept with 1 - min(1, p/q)"),
+    Mutation("confidence-law-unrestricted", SPEC, "dist = np.where(dist >= s.confidence_threshold, dist, 0.0)",
+             "dist = np.where(dist >= 0, dist, 0.0)", T_LAW,
+             "confidence drafts verified against the unconditioned q (the bias fixed in issue 13)"),
+    Mutation("ae-law-taken-as-q", SPEC,
+             "dist = None  # U_i also depends on the token's experts: its admitted law is unknown", "pass", T_LAW,
+             "AE drafts verified against the unconditioned q"),
+    Mutation("sample-match-accepts-all", SPEC, "                if y == token:\n", "                if True:\n",
+             T_LAW, "AE verification accepts whatever the target sampled"),
+    Mutation("confidence-threshold-ignored", SPEC, 'if m.admit == "confidence" and prob < s.confidence_threshold:',
+             'if m.admit == "confidence" and prob < 0:', T_LAW, "the confidence rule admits every token"),
+    Mutation("temperature-ignored", "runtime/decoding/sampling.py",
+             "z = logits.astype(np.float64) / params.temperature", "z = logits.astype(np.float64)", T_SAMPLING,
+             "temperature not applied"),
+    Mutation("top-k-drops-ties", "runtime/decoding/sampling.py", "keep &= p >= kth", "keep &= p > kth", T_SAMPLING,
+             "top-k excludes the k-th token"),
+    Mutation("top-p-one-more", "runtime/decoding/sampling.py",
+             "cutoff = np.searchsorted(cum, params.top_p - 1e-12) + 1",
+             "cutoff = np.searchsorted(cum, params.top_p - 1e-12) + 2", T_SAMPLING, "top-p keeps one token too many"),
+    Mutation("min-p-absolute", "runtime/decoding/sampling.py", "keep &= p >= params.min_p * p.max()",
+             "keep &= p >= params.min_p", T_SAMPLING, "min-p not relative to the top probability"),
+    # -- greedy acceptance, KV rollback and commit --------------------------------------------------
+    Mutation("greedy-emits-draft", SPEC, "return i, int(np.argmax(parent))", "return i, token", T_GREEDY,
+             "on a greedy mismatch the draft token is emitted instead of the target's"),
+    Mutation("tree-kv-not-moved", SPEC, "kv.keep(slots, P)  # the accepted path's target-computed KV, moved into place",
+             "kv.rollback(P + 1 + a)", T_KV, "the accepted tree branch's KV is not moved into place"),
+    Mutation("final-rollback-skipped", SPEC, "kv.rollback(min(kv.length, len(prompt) + len(out) - 1))", "kv.length",
+             T_KV, "KV of tokens accepted past max_tokens stays committed"),
+    Mutation("commit-all-drafts", SPEC, "kv.commit(P + 1 + a)", "kv.commit(kv.filled)", T_KV,
+             "rejected drafts' KV committed"),
+    Mutation("kv-rollback-keeps-length", "runtime/model/kv_cache.py", "self.length = min(self.length, to)",
+             "self.length = self.length", T_KV, "rollback below the committed length keeps it committed"),
+    Mutation("kv-gap-allowed", "runtime/model/kv_cache.py", "if not 0 <= start <= self.filled:",
+             "if not 0 <= start:", ["tests/test_kv_cache.py"], "a KV write may leave a gap"),
+    Mutation("kv-keep-no-copy", "runtime/model/kv_cache.py",
+             "a[:, at:at + len(slots)] = a[:, slots]  # fancy indexing copies first: overlap-safe", "pass", T_KV,
+             "kv.keep moves nothing"),
+    # -- admit rules, cost model, reuse-aware gating, routing ---------------------------------------
+    Mutation("utility-threshold-inverted", SPEC, "                if utility < s.utility_threshold:\n",
+             "                if utility > s.utility_threshold:\n",
+             ["tests/test_speculative.py", "-k", "utility_rule"], "AE admits exactly what it should refuse"),
+    Mutation("marginal-cost-ignores-residency", SPEC,
+             "return sum(costs.expert_cost(is_resident(key)) for key in new_experts)",
+             "return sum(costs.expert_cost(False) for key in new_experts)",
+             ["tests/test_speculative.py", "-k", "marginal_cost"], "resident experts cost a fetch"),
+    Mutation("rg-never-applied", SPEC, "        if not self.method.reuse_gating:\n            return TARGET",
+             "        if True:\n            return TARGET", T_RG, "s2moe verifies without reuse-aware gating"),
+    Mutation("rg-importance-sign", "runtime/decoding/gating.py", "g = (w[:, None] * logits).sum(0)  # [E]",
+             "g = -(w[:, None] * logits).sum(0)  # [E]", T_RG, "RG prefers the experts the batch wants least"),
+    Mutation("rg-gap-off-by-one", "runtime/decoding/gating.py", "gap = ordered[:, 0] - ordered[:, k]",
+             "gap = ordered[:, 0] - ordered[:, k - 1]", T_RG, "lambda from the k-th instead of the (k+1)-th logit"),
+    Mutation("rg-variants-swapped", "runtime/decoding/gating.py",
+             'lam = self.strength * (gap if self.variant == "paper" else np.full(B, gap.mean()))',
+             'lam = self.strength * (gap if self.variant != "paper" else np.full(B, gap.mean()))', T_RG,
+             "the paper's per-token lambda and the code's batch mean swapped"),
+    Mutation("routing-no-renormalise", "runtime/model/routing.py", "        if norm_topk_prob:\n",
+             "        if False:\n", ["tests/test_routing.py", "tests/test_reference_logits.py"],
+             "norm_topk_prob ignored"),
+    Mutation("expert-weights-fp16", "runtime/model/formats/tensors.py",
+             'return plain.reshape(ref.shape).astype(np.float32, order="F")',
+             'return plain.reshape(ref.shape).astype(np.float16).astype(np.float32, order="F")',
+             ["tests/test_reference_logits.py"], "expert weights rounded to fp16 on read (a 2e-5 logit error)"),
+    # -- cache policy -------------------------------------------------------------------------------
+    Mutation("lfu-heap-without-decay", CACHE,
+             "entry = (math.log2(count) + last / self.half_life if count > 0 else -math.inf, last, key)",
+             "entry = (math.log2(count) if count > 0 else -math.inf, last, key)", T_POLICY,
+             "the LFU heap orders by undecayed counts"),
+    Mutation("lfu-admits-everything", CACHE, "return self._score(key) > self._score(victim)", "return True",
+             T_POLICY, "LFU admission always evicts"),
+    Mutation("lru-evicts-most-recent", CACHE, "return next((k for k in self.order if k not in protected), None)",
+             "return next((k for k in reversed(self.order) if k not in protected), None)", T_POLICY,
+             "LRU evicts the most recently used"),
+    Mutation("lru-hit-not-recorded", CACHE, "touch = insert  # a hit", "touch = access  # a hit", T_POLICY,
+             "an LRU hit does not refresh recency"),
+    Mutation("cache-evicts-protected", CACHE, "victim = self.policy.victim(protected | self.pinned)",
+             "victim = self.policy.victim(self.pinned)", ["tests/test_offload.py", "-k", "protected"],
+             "an expert the current pass needs can be evicted"),
+    Mutation("cache-over-budget", CACHE, "while self.resident_bytes + size > self.capacity:",
+             "if self.resident_bytes + size > self.capacity:", ["tests/test_offload.py", "tests/test_cache_policy.py"],
+             "one eviction per insertion, whatever the size"),
+    # -- parsers' checks ----------------------------------------------------------------------------
+    Mutation("safetensors-header-vs-file-size", ST, "if n > _MAX_HEADER or 8 + n > size:", "if n > _MAX_HEADER:",
+             T_ST, "a header longer than the file is read as JSON"),
+    Mutation("safetensors-dtype-check-removed", ST, "if dtype not in PLAIN_DTYPES:", "if False:", T_ST,
+             "unknown dtypes reach the decoder"),
+    Mutation("safetensors-integer-check-removed", ST,
+             "if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*shape, begin, end)):",
+             "if False:", T_ST, "float/bool shapes and offsets accepted"),
+    Mutation("safetensors-extent-check-removed", ST, "if data_start + end > size:", "if False:", T_ST,
+             "tensors past the end of the file accepted"),
+    Mutation("safetensors-size-check-removed", ST, "if not 0 <= begin <= end or end - begin != expected:",
+             "if not 0 <= begin <= end:", T_ST, "offsets that do not hold the shape accepted"),
+    Mutation("gguf-count-precheck-removed", GGUF,
+             "if n_tensors * _MIN_TENSOR_INFO > room or n_kv * _MIN_KV > room:", "if False:",
+             T_GGUF + ["tests/test_fuzz.py::test_absurd_tensor_count_is_refused_at_once"],
+             "absurd GGUF counts reach the reader"),
+    Mutation("gguf-prescan-length-check", GGUF, "if n < 0 or pos + n > size:", "if n < 0:", T_GGUF,
+             "a GGUF string length past the end is not refused by the pre-scan"),
+    # -- profile checks -----------------------------------------------------------------------------
+    Mutation("fingerprint-refuse-ignored", SPEC_OPTIONS,
+             'if prof.data["model"].get("fingerprint_policy") == "refuse":', "if False:", T_PROFILE,
+             "fingerprint_policy: refuse only warns"),
+    Mutation("profile-hot-list-kept-for-other-model", SPEC_OPTIONS,
+             "    elif hot is None and prof.hot_experts:\n", "    if hot is None and prof.hot_experts:\n", T_PROFILE,
+             "another model's hot list pinned"),
+    Mutation("profile-bandwidth-may-be-zero", "runtime/profile.py", '"bandwidth_mb_s": _pos, "latency_us": _nonneg',
+             '"bandwidth_mb_s": _nonneg, "latency_us": _nonneg', ["tests/test_calib.py", "-k", "malformed"],
+             "a zero bandwidth accepted"),
+    Mutation("export-expert-mib-as-mb", "calib/fit_export.py", 'mib = m["expert_bytes_stored"] / MIB',
+             'mib = m["expert_bytes_stored"] / 1e6', T_EXPORT, "expert size exported in MB, not MiB"),
+]
+
+
+# -- the scratch copy ---------------------------------------------------------------------------------
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+
+def make_copy(source: str, dest: str) -> None:
+    """``worktree``: tracked and untracked-but-not-ignored files as they are on disk (plus built
+    extension modules); anything else: that git revision."""
+    if source == "worktree":
+        files = _git("ls-files", "-co", "--exclude-standard", "-z").split("\0")
+        files += [f for f in _git("ls-files", "-oi", "--exclude-standard", "-z").split("\0")
+                  if f.endswith((".so", ".pyd"))]
+        for rel in filter(None, files):
+            src = os.path.join(ROOT, rel)
+            if not os.path.isfile(src):
+                continue  # deleted in the working tree
+            os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+            shutil.copy2(src, os.path.join(dest, rel))
+    else:
+        archive = subprocess.run(["git", "archive", source], cwd=ROOT, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+    os.makedirs(os.path.join(dest, "s2moe"), exist_ok=True)
+    for name, folder in SHIM.items():
+        link = os.path.join(dest, "s2moe", name)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join("..", folder), link)
+
+
+def run_pytest(copy: str, args: list[str], timeout: float) -> tuple[str, float, str]:
+    env = {**os.environ, "PYTHONPATH": copy + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("S2MOE_DEBUG", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", *args]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.perf_counter() - t0, ""
+    took = time.perf_counter() - t0
+    out = r.stdout + r.stderr
+    failed = [line.split(" ")[1] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    detail = failed[0] if failed else out.strip().splitlines()[-1] if out.strip() else ""
+    if r.returncode == 0:
+        return "passed", took, detail
+    if r.returncode == 5:
+        return "no tests", took, detail
+    return "failed", took, detail
+
+
+@dataclass
+class Result:
+    id: str
+    status: str  # caught | survived | stale | equivalent | no tests
+    seconds: float
+    caught_by: str = ""
+    file: str = ""
+    note: str = ""
+    tests: list[str] = field(default_factory=list)
+
+
+def check(copy: str, m: Mutation, full: bool, timeout: float) -> Result:
+    path = os.path.join(copy, m.file)
+    res = Result(m.id, "stale", 0.0, file=m.file, note=m.note, tests=[] if full else m.tests)
+    if not os.path.exists(path):
+        return res
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.count(m.original) != 1:
+        return res
+    if m.equivalent_if and m.equivalent_if in text:
+        res.status, res.caught_by = "equivalent", m.equivalent_why
+        return res
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text.replace(m.original, m.replacement))
+        outcome, took, detail = run_pytest(copy, [] if full else m.tests, timeout)
+    finally:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    res.seconds = round(took, 1)
+    res.status = {"passed": "survived", "no tests": "no tests"}.get(outcome, "caught")
+    res.caught_by = detail if outcome == "failed" else outcome if outcome == "timeout" else ""
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", nargs="*", help="mutation ids to run (default: all)")
+    ap.add_argument("--full", action="store_true", help="run the whole suite for each mutation")
+    ap.add_argument("--source", default="worktree", help="'worktree' (default) or a git revision")
+    ap.add_argument("--overlay", nargs="*", default=[],
+                    help="working-tree files (or folders) copied over the source (e.g. yours, over HEAD)")
+    ap.add_argument("--json", help="write the results here as JSON")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+
+    chosen = [m for m in MUTATIONS if not args.only or m.id in args.only]
+    unknown = set(args.only or []) - {m.id for m in MUTATIONS}
+    if unknown:
+        print(f"unknown mutation ids: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in chosen:
+            print(f"{m.id:28s} {m.file:45s} {m.note}")
+        return 0
+
+    copy = tempfile.mkdtemp(prefix="s2moe-mutate-")
+    try:
+        make_copy(args.source, copy)
+        for rel in args.overlay:
+            src, dst = os.path.join(ROOT, rel), os.path.join(copy, rel)
+            if os.path.isdir(src):
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copy2(src, dst)
+        if not args.no_baseline:
+            union: list[str] = []
+            if not args.full:
+                for m in chosen:  # files and node ids only: -k expressions narrow single mutations
+                    union += [t for t in m.tests if t.startswith("tests/") and t not in union]
+            outcome, took, detail = run_pytest(copy, union, args.timeout)
+            print(f"baseline ({len(union) or 'all'} test paths): {outcome} in {took:.0f} s")
+            if outcome != "passed":
+                print(f"the unmutated copy does not pass: {detail}", file=sys.stderr)
+                return 2
+        results = []
+        for m in chosen:
+            r = check(copy, m, args.full, args.timeout)
+            results.append(r)
+            print(f"{r.status:9s} {r.seconds:6.1f}s  {r.id:28s} {r.caught_by}", flush=True)
+    finally:
+        if args.keep:
+            print(f"scratch copy kept at {copy}")
+        else:
+            shutil.rmtree(copy, ignore_errors=True)
+
+    width = max(len(r.id) for r in results)
+    print("\n" + f"{'mutation':{width}s}  {'status':9s} {'secs':>6s}  caught by")
+    for r in results:
+        print(f"{r.id:{width}s}  {r.status:9s} {r.seconds:6.1f}  {r.caught_by}")
+    bad = [r for r in results if r.status not in ("caught", "equivalent")]
+    print(f"\n{len(results) - len(bad)} of {len(results)} caught" + (f"; not caught: {', '.join(r.id for r in bad)}"
+                                                                    if bad else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"source": args.source, "full": args.full, "results": [asdict(r) for r in results]}, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
