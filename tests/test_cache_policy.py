@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -112,3 +114,37 @@ def test_lfu_cache_keeps_the_frequent_expert_and_streams_a_one_off(tiny_store):
     for _ in range(3):
         cache.get(0, [2])  # now used more than 1: admitted, and 1 (the lower count) leaves
     assert set(cache.held) == {(0, 0), (0, 2)}
+
+
+class SizedStore:
+    """A store whose experts have the given sizes (bytes), for eviction arithmetic by hand."""
+
+    def __init__(self, sizes: dict[int, int]):
+        self.sizes = sizes
+
+    def read_many(self, layer, experts):
+        return [SimpleNamespace(nbytes=self.sizes[e], expert=e) for e in experts]
+
+    def stored_bytes(self, layer, expert):
+        return self.sizes[expert]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_large_expert_evicts_as_many_as_it_needs(policy):
+    cache = ExpertCache(SizedStore({0: 4, 1: 4, 2: 8}), capacity_bytes=10, policy=policy)
+    cache.get(0, [0])
+    cache.get(0, [1])
+    for _ in range(4 if policy == "lfu" else 1):  # LFU admits 2 once it is used more than 0 and 1
+        got = cache.get(0, [2])
+    assert got[0].expert == 2
+    assert set(cache.held) == {(0, 2)} and cache.resident_bytes == 8 <= cache.capacity
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_request_never_evicts_its_own_experts(policy):
+    """Room for two, a pass needs three: the first two stay, the third streams through."""
+    cache = ExpertCache(SizedStore({0: 4, 1: 4, 2: 4}), capacity_bytes=8, policy=policy)
+    got = cache.get(0, [0, 1, 2])
+    assert [w.expert for w in got] == [0, 1, 2]
+    assert set(cache.held) == {(0, 0), (0, 1)} and cache.stats["ar"].streamed == 1
+    assert cache.resident_bytes == 8

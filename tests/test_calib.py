@@ -81,6 +81,7 @@ def test_profile_round_trips(tmp_path):
     (lambda d: d["cost_model"].__setitem__("c_draft_ms", "fast"), "cost_model.c_draft_ms"),
     (lambda d: d.__setitem__("schema_version", 7), "schema_version"),
     (lambda d: d["offload"].__setitem__("bandwidth_mb_s", -5.0), "offload.bandwidth_mb_s"),
+    (lambda d: d["offload"].__setitem__("bandwidth_mb_s", 0.0), "offload.bandwidth_mb_s"),  # T_exp = bytes / 0
     (lambda d: d["speculative"].__setitem__("draft_topk", 0), "speculative.draft_topk"),
     (lambda d: d.pop("model"), "model"),
 ])

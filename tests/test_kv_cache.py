@@ -56,3 +56,22 @@ def test_write_and_view_round_trip():
     kv.write(1, 0, k, -k)
     keys, values = kv.view(1, 3)
     assert np.array_equal(keys, k) and np.array_equal(values, -k)
+
+
+def test_keep_moves_an_accepted_branch_into_place():
+    """A verified tree [root, a1, a2, b1, b2] at positions P.. with branch b accepted: keep moves
+    the KV of slots [P, P+3, P+4] to [P, P+1, P+2] and drops the rest."""
+    kv = make()
+    kv.begin_write(0, 8)
+    for layer in range(2):
+        kv.write(layer, 0, np.arange(8, dtype=np.float32).reshape(1, 8, 1).repeat(2, -1) + 10 * layer,
+                 -np.arange(8, dtype=np.float32).reshape(1, 8, 1).repeat(2, -1))
+    kv.commit(3)  # P = 3: slots 3..7 hold [root, a1, a2, b1, b2]
+    kv.keep([3, 6, 7], 3)
+    assert (kv.length, kv.filled) == (3, 6)
+    for layer in range(2):
+        keys, values = kv.view(layer, 6)
+        np.testing.assert_array_equal(keys[0, :, 0], [0, 1, 2, 3, 6, 7] + np.float32(10 * layer))
+        np.testing.assert_array_equal(values[0, :, 0], -np.array([0, 1, 2, 3, 6, 7], dtype=np.float32))
+    with pytest.raises(KVCacheError):
+        kv.keep([4, 3], 3)  # a slot may only move backwards

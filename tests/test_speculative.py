@@ -153,3 +153,46 @@ def test_draft_policy_uses_fewer_experts(tiny_model_dirs):
     engine = build_engine(tiny_model_dirs["olmoe"][1])
     _, rec = engine.model.forward([1, 2, 3], engine.model.new_cache(3), policy=RoutingPolicy(top_k=1))
     assert all(r.experts.shape[1] == 1 for r in rec.layers.values())
+
+
+def _peaked(top: int, second: int) -> np.ndarray:
+    p = np.full(4, 0.05)
+    p[3] = 0.0  # START is never generated
+    p[top], p[second] = 0.6, 0.3
+    return p / p.sum()
+
+
+def test_greedy_tree_accepts_the_second_branch_and_moves_its_kv():
+    """The expert-skip baseline drafts two branches (the draft's top-1 and runner-up first token).
+    On a stub where the draft's top-1 is wrong and its runner-up right after even-length contexts,
+    the second branch is accepted (its KV must move into place), and output and committed KV
+    still equal greedy AR's. Tiny random models almost never accept the second branch."""
+    from stub_model import START, StubModel
+
+    def target(ctx):
+        last = ctx[-1] % 3
+        return _peaked((last + 1) % 3, (last + 2) % 3)
+
+    def draft(ctx):
+        last = ctx[-1] % 3
+        right, wrong = (last + 1) % 3, (last + 2) % 3
+        return _peaked(wrong, right) if len(ctx) % 2 == 0 else _peaked(right, wrong)
+
+    model = StubModel(target, draft, vocab=4)
+    branches = []
+    for prompt in ([START], [START, 1], [START, 2, 0]):
+        dec = SpeculativeDecoder(model, get_method("es"), SpecSettings(draft_topk=1, draft_cap=4), EAGER)
+        verify = dec._verify
+
+        def spy(*args, **kwargs):
+            accepted, nxt = verify(*args, **kwargs)
+            branches.append((dec._last_branch, len(accepted)))
+            return accepted, nxt
+
+        dec._verify = spy
+        tokens = dec.generate(prompt, 20).tokens
+        assert tokens == generate_ar(model, prompt, 20).tokens
+        committed = dec.kv.keys[0][0, :dec.kv.length, 0].astype(int).tolist()
+        assert committed == prompt + tokens[:-1]  # the stub's KV holds each slot's token id
+    assert any(b == 1 and a >= 2 for b, a in branches), branches  # second branch, several tokens moved
+    assert any(b == 0 for b, _ in branches), branches

@@ -52,8 +52,9 @@ class Mutation:
 T_SAMPLED = ["tests/test_sampled_speculation.py"]
 T_LAW = ["tests/test_sampled_speculation.py", "-k", "target_law"]
 T_GREEDY = ["tests/test_speculative.py", "-k", "greedy_methods_equal_ar"]
-T_KV = ["tests/test_properties.py::test_committed_kv_equals_fresh_prefill",
-        "tests/test_speculative.py::test_committed_kv_equals_fresh_prefill", "tests/test_kv_cache.py"]
+T_KV = ["tests/test_speculative.py::test_greedy_tree_accepts_the_second_branch_and_moves_its_kv",
+        "tests/test_kv_cache.py", "tests/test_speculative.py::test_committed_kv_equals_fresh_prefill",
+        "tests/test_properties.py::test_committed_kv_equals_fresh_prefill"]
 T_RG = ["tests/test_speculative.py", "-k", "reuse_gating"]
 T_SAMPLING = ["tests/test_sampling.py"]
 T_POLICY = ["tests/test_cache_policy.py"]
@@ -137,8 +138,8 @@ MUTATIONS: list[Mutation] = [
              "kv.rollback(P + 1 + a)", T_KV, "the accepted tree branch's KV is not moved into place"),
     Mutation("final-rollback-skipped", SPEC, "kv.rollback(min(kv.length, len(prompt) + len(out) - 1))", "kv.length",
              T_KV, "KV of tokens accepted past max_tokens stays committed"),
-    Mutation("commit-all-drafts", SPEC, "kv.commit(P + 1 + a)", "kv.commit(kv.filled)", T_KV,
-             "rejected drafts' KV committed"),
+    Mutation("commit-one-short", SPEC, "kv.commit(P + 1 + a)", "kv.commit(P + a)", T_KV,
+             "the last accepted position's KV is not committed"),
     Mutation("kv-rollback-keeps-length", "runtime/model/kv_cache.py", "self.length = min(self.length, to)",
              "self.length = self.length", T_KV, "rollback below the committed length keeps it committed"),
     Mutation("kv-gap-allowed", "runtime/model/kv_cache.py", "if not 0 <= start <= self.filled:",
@@ -184,10 +185,10 @@ MUTATIONS: list[Mutation] = [
     Mutation("lru-hit-not-recorded", CACHE, "touch = insert  # a hit", "touch = access  # a hit", T_POLICY,
              "an LRU hit does not refresh recency"),
     Mutation("cache-evicts-protected", CACHE, "victim = self.policy.victim(protected | self.pinned)",
-             "victim = self.policy.victim(self.pinned)", ["tests/test_offload.py", "-k", "protected"],
+             "victim = self.policy.victim(self.pinned)", T_POLICY,
              "an expert the current pass needs can be evicted"),
     Mutation("cache-over-budget", CACHE, "while self.resident_bytes + size > self.capacity:",
-             "if self.resident_bytes + size > self.capacity:", ["tests/test_offload.py", "tests/test_cache_policy.py"],
+             "if self.resident_bytes + size > self.capacity:", T_POLICY,
              "one eviction per insertion, whatever the size"),
     # -- parsers' checks ----------------------------------------------------------------------------
     Mutation("safetensors-header-vs-file-size", ST, "if n > _MAX_HEADER or 8 + n > size:", "if n > _MAX_HEADER:",
@@ -261,7 +262,8 @@ def run_pytest(copy: str, args: list[str], timeout: float) -> tuple[str, float, 
         return "timeout", time.perf_counter() - t0, ""
     took = time.perf_counter() - t0
     out = r.stdout + r.stderr
-    failed = [line.split(" ")[1] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in out.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))]
     detail = failed[0] if failed else out.strip().splitlines()[-1] if out.strip() else ""
     if r.returncode == 0:
         return "passed", took, detail
