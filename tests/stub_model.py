@@ -17,15 +17,18 @@ from types import SimpleNamespace
 import numpy as np
 
 from s2moe.runtime.model.kv_cache import KVCache
-from s2moe.runtime.model.routing import TARGET, RoutingRecord
+from s2moe.runtime.model.routing import TARGET, LayerRouting, RoutingRecord
 
 
 class StubModel:
     """``target(ctx)`` and ``draft(ctx)`` map a context (tuple of token ids) to a probability vector
     over the vocabulary. A pass whose policy sets a top-k override is the draft's."""
 
-    def __init__(self, target, draft, vocab: int):
+    def __init__(self, target, draft, vocab: int, experts_of=None):
+        """``experts_of(token)``: the two experts (of 4) a token routes to; given, every pass
+        records one MoE layer whose router logits pick exactly those (AE's ΔC_ver reads them)."""
         self.target_dist, self.draft_dist = target, draft
+        self.experts_of = experts_of
         self.config = SimpleNamespace(top_k=2, num_experts=4, vocab_size=vocab, num_layers=1)
         self.experts = None  # no expert cache: nothing resident, no phases
         self.passes = {"draft": 0, "target": 0}
@@ -62,7 +65,16 @@ class StubModel:
                 ctx = prefix + tuple(tokens[j] for j in range(T) if tree_mask[i, j])
             rows.append(self._log_dist(is_draft, ctx))
         out = np.stack(rows[-1:] if logits == "last" else rows)
-        return out, (RoutingRecord() if record else None)
+        return out, (self._record(tokens) if record else None)
+
+    def _record(self, tokens) -> RoutingRecord:
+        rec = RoutingRecord()
+        if self.experts_of is not None:
+            chosen = np.array([sorted(self.experts_of(t)) for t in tokens], dtype=np.int64)
+            router = np.zeros((len(tokens), self.config.num_experts), np.float32)
+            np.put_along_axis(router, chosen, 1.0, axis=-1)
+            rec.layers[0] = LayerRouting(router, chosen, np.full(chosen.shape, 0.5, np.float32))
+        return rec
 
 
 # A small vocabulary (0, 1, 2; token 3 = START appears only in the prompt) and two Markov-style

@@ -59,6 +59,7 @@ SAFETENSORS_CASES = {
     # row: header claiming 10¹² bytes (refused before reading or allocating it)
     "huge header length": (b"{}", b"", 10**12, "header claims 1000000000000 bytes"),
     "header longer than the file": (b"{}", b"", 1000, "header claims 1000 bytes"),
+    "header not an object": (b"[1, 2]", b"", None, "safetensors header is not a JSON object"),
     # row: nested-JSON bomb (the parser's recursion limit becomes our error, not a crash)
     "nested JSON bomb": (b"[" * 200_000 + b"]" * 200_000, b"", None, "header is not valid JSON"),
     # row: non-integer shapes / offsets
@@ -95,6 +96,45 @@ def test_hostile_safetensors_header_is_one_line_exit_2(tiny_model_dirs, tmp_path
     finally:
         tracemalloc.stop()
     assert peak < 16 << 20, peak
+
+
+def _sharded(tiny_model_dirs, tmp_path, weight_map) -> str:
+    src = tiny_model_dirs["olmoe"][1]
+    folder = tmp_path / "sharded"
+    shutil.copytree(src, folder)
+    os.rename(folder / "model.safetensors", folder / "model-00001-of-00002.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return str(folder)
+
+
+@pytest.mark.parametrize("case", ["missing shard", "tensor not in its shard", "no weight_map"])
+def test_bad_safetensors_index_is_one_line_exit_2(tiny_model_dirs, tmp_path, case):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(tiny_model_dirs["olmoe"][1], "model.safetensors"), "np") as f:
+        names = list(f.keys())
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in names}
+    if case == "missing shard":
+        weight_map[names[0]] = "model-00002-of-00002.safetensors"
+        needle = "lists model-00002-of-00002.safetensors, which is missing from the folder"
+    elif case == "tensor not in its shard":
+        weight_map["model.layers.9.mlp.gate.weight"] = "model-00001-of-00002.safetensors"
+        needle = "tensor model.layers.9.mlp.gate.weight is listed but not in model-00001-of-00002.safetensors"
+    else:
+        weight_map = None
+        needle = "not a valid safetensors index"
+    folder = _sharded(tiny_model_dirs, tmp_path, weight_map)
+    code, _, stderr = s2moe("info", "--model", folder)
+    one_line_error(code, stderr, needle, "model.safetensors.index.json")
+
+
+def test_a_sharded_folder_loads(tiny_model_dirs, tmp_path):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(tiny_model_dirs["olmoe"][1], "model.safetensors"), "np") as f:
+        weight_map = {n: "model-00001-of-00002.safetensors" for n in f.keys()}
+    code, stdout, stderr = s2moe("info", "--model", _sharded(tiny_model_dirs, tmp_path, weight_map), "--json")
+    assert code == 0, stderr
 
 
 # -- GGUF headers ---------------------------------------------------------------------------------
@@ -303,6 +343,21 @@ def test_profile_for_this_model_pins_its_hot_list_without_warning(tiny_model_dir
     assert code == 0, stderr
     assert "was made for" not in stderr
     assert stats["offload"]["cache"]["pinned"] == 2
+
+
+def test_fingerprint_tells_models_apart(tiny_model_dirs, tmp_path):
+    """Same config and tensor table, other weights: another fingerprint; a byte-identical copy: the
+    same one."""
+    import tiny_models as tm
+
+    from s2moe.runtime.profile import model_fingerprint
+
+    folder = tiny_model_dirs["olmoe"][1]
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    other = tm.save(tm.build("olmoe", seed=1), tmp_path / "other", fused=False)
+    mine = model_fingerprint(load_model(folder))
+    assert model_fingerprint(load_model(str(copy))) == mine
+    assert model_fingerprint(load_model(other)) != mine
 
 
 def test_profile_for_another_model_is_refused_when_it_says_so(tiny_model_dirs, tmp_path):

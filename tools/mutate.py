@@ -62,6 +62,8 @@ T_ST = ["tests/test_reliability.py", "tests/test_fuzz.py", "-k", "safetensors"]
 T_GGUF = ["tests/test_reliability.py", "-k", "gguf"]
 T_PROFILE = ["tests/test_reliability.py", "-k", "profile"]
 T_EXPORT = ["tests/test_calib.py", "-k", "export"]
+T_ADMIT = ["tests/test_admit_rules.py"]
+T_INDEX = ["tests/test_reliability.py", "-k", "index or sharded"]
 
 SPEC = "runtime/decoding/speculative.py"
 ST = "runtime/model/formats/safetensors_index.py"
@@ -172,6 +174,15 @@ MUTATIONS: list[Mutation] = [
              'return plain.reshape(ref.shape).astype(np.float32, order="F")',
              'return plain.reshape(ref.shape).astype(np.float16).astype(np.float32, order="F")',
              ["tests/test_reference_logits.py"], "expert weights rounded to fp16 on read (a 2e-5 logit error)"),
+    Mutation("ae-selected-not-updated", SPEC, "                selected |= new\n", "                selected = selected\n",
+             T_ADMIT, "ΔC_ver counts experts earlier drafts already bring"),
+    Mutation("ae-prefix-not-multiplied", SPEC, "            prefix *= prob\n", "            prefix = prefix\n",
+             T_ADMIT, "U_i uses the token's probability, not the prefix probability"),
+    Mutation("ae-backoff-not-doubling", SPEC, "min(2 * self._wait, 16)", "min(self._wait, 16)", T_ADMIT,
+             "AE backs off one AR step at a time"),
+    Mutation("confidence-uses-prefix", SPEC, 'if m.admit == "confidence" and prob < s.confidence_threshold:',
+             'if m.admit == "confidence" and prefix * prob < s.confidence_threshold:', T_ADMIT,
+             "the confidence rule thresholds the prefix probability"),
     # -- cache policy -------------------------------------------------------------------------------
     Mutation("lfu-heap-without-decay", CACHE,
              "entry = (math.log2(count) + last / self.half_life if count > 0 else -math.inf, last, key)",
@@ -208,6 +219,14 @@ MUTATIONS: list[Mutation] = [
              "absurd GGUF counts reach the reader"),
     Mutation("gguf-prescan-length-check", GGUF, "if n < 0 or pos + n > size:", "if n < 0:", T_GGUF,
              "a GGUF string length past the end is not refused by the pre-scan"),
+    Mutation("safetensors-object-check-removed", ST, "if not isinstance(header, dict):", "if False:", T_ST,
+             "a JSON list as header crashes the parser"),
+    Mutation("safetensors-negative-dim-check-removed", ST, "if any(d < 0 for d in shape):", "if False:", T_ST,
+             "negative dimensions reach the size arithmetic"),
+    Mutation("index-missing-shard", ST, "        if not os.path.exists(path):\n", "        if False:\n",
+             T_INDEX, "an index naming a missing shard is not named in the error"),
+    Mutation("index-listed-tensor-absent", ST, "        if missing:\n", "        if False:\n", T_INDEX,
+             "a tensor listed in the index but absent from its shard is ignored"),
     # -- profile checks -----------------------------------------------------------------------------
     Mutation("fingerprint-refuse-ignored", SPEC_OPTIONS,
              'if prof.data["model"].get("fingerprint_policy") == "refuse":', "if False:", T_PROFILE,
@@ -218,6 +237,8 @@ MUTATIONS: list[Mutation] = [
     Mutation("profile-bandwidth-may-be-zero", "runtime/profile.py", '"bandwidth_mb_s": _pos, "latency_us": _nonneg',
              '"bandwidth_mb_s": _nonneg, "latency_us": _nonneg', ["tests/test_calib.py", "-k", "malformed"],
              "a zero bandwidth accepted"),
+    Mutation("fingerprint-ignores-bytes", "runtime/profile.py", "            h.update(f.read(1 << 20))\n",
+             "            f.read(1 << 20)\n", ["tests/test_reliability.py", "-k", "fingerprint"], "two models with the same shapes share a fingerprint"),
     Mutation("export-expert-mib-as-mb", "calib/fit_export.py", 'mib = m["expert_bytes_stored"] / MIB',
              'mib = m["expert_bytes_stored"] / 1e6', T_EXPORT, "expert size exported in MB, not MiB"),
 ]

@@ -1,0 +1,90 @@
+"""Draft admit rules computed by hand on a stub model: AE's utility U_i = p_i·T_AR / (ΔC_ver(i|S) +
+C_draft) with the prefix probability p_i and the experts S already selected, AE's backoff after a
+draft that admits nothing, and the confidence rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stub_model import START, StubModel
+
+from s2moe.runtime.decoding.cost_model import CostConstants
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+
+
+def _chain(top_prob: float):
+    """Greedy drafts 0 → 1 → 2 → 0 …, each with probability ``top_prob`` (the target agrees)."""
+    def dist(ctx):
+        p = np.full(4, (1 - top_prob) / 2)
+        p[3] = 0.0
+        p[(ctx[-1] + 1) % 3 if ctx[-1] != START else 0] = top_prob
+        return p
+    return dist
+
+
+def _experts(token: int) -> set[int]:
+    return {token % 4, (token + 1) % 4}  # token 0 → {0, 1}, 1 → {1, 2}, 2 → {2, 3}
+
+
+def _first_draft_length(method: str, costs: CostConstants, cap: int = 4, top_prob: float = 0.8, **settings) -> int:
+    model = StubModel(_chain(top_prob), _chain(top_prob), vocab=4, experts_of=_experts)
+    dec = SpeculativeDecoder(model, get_method(method, reuse_gating=False),
+                             SpecSettings(draft_topk=1, draft_cap=cap, **settings), costs)
+    lengths = []
+    chain = dec._draft_chain
+
+    def spy(*args, **kwargs):
+        d = chain(*args, **kwargs)
+        lengths.append(len(d.tokens))
+        return d
+
+    dec._draft_chain = spy
+    dec.generate([START], 3)
+    return lengths[0]
+
+
+# Root 0 (experts {0, 1} start S); drafts 1, 2, 0, 1 with prefix probabilities .8, .64, .512, .4096
+# and new experts {2}, {3}, {}, {} (every expert missing: each costs t_exp_miss).
+@pytest.mark.parametrize("miss,expected", [
+    # U = .8/.75 = 1.07 ✓, .64/.75 = 0.85 ✗
+    (0.5, 1),
+    # U = .8/.55 = 1.45, .64/.55 = 1.16, .512/.25 = 2.05, .4096/.25 = 1.64: the cap
+    (0.3, 4),
+    # U = .8/1.25 = 0.64 ✗ at once
+    (1.0, 0),
+])
+def test_ae_utility_by_hand(miss, expected):
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=miss, t_exp_hit=miss)
+    assert _first_draft_length("ca+ae", costs) == expected
+
+
+def test_ae_prefix_probability_and_threshold():
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.0, t_exp_hit=0.0)  # ΔC_ver = 0
+    # U_i = prefix / 0.25 with prefix .8, .64, .512, .4096, .328, .262, .210 …
+    assert _first_draft_length("ca+ae", costs, cap=8, utility_threshold=2.0) == 3  # prefix ≥ .5
+    assert _first_draft_length("ca+ae", costs, cap=8, utility_threshold=1.5) == 4  # prefix ≥ .375
+    assert _first_draft_length("ca+ae", costs, cap=8, utility_threshold=1.0) == 6  # prefix ≥ .25
+
+
+def test_confidence_rule_by_hand():
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.0, t_exp_hit=0.0)
+    # the rule looks at each token's own draft probability, not the prefix
+    assert _first_draft_length("confidence", costs, cap=5, top_prob=0.8, confidence_threshold=0.79) == 5
+    assert _first_draft_length("confidence", costs, cap=5, top_prob=0.8, confidence_threshold=0.81) == 0
+
+
+def test_ae_backs_off_after_drafts_that_admit_nothing():
+    """No draft token pays for itself: AE drafts (root pass only), then runs 1, 2, 4, 8 … (≤ 16)
+    plain AR steps before drafting again. 19 decode tokens: D B D BB D BBBB D B×8."""
+    costs = CostConstants(t_ar=1.0, c_draft=10.0, t_exp_miss=0.0, t_exp_hit=0.0)
+    model = StubModel(_chain(0.8), _chain(0.8), vocab=4, experts_of=_experts)
+    dec = SpeculativeDecoder(model, get_method("ca+ae"), SpecSettings(draft_topk=1, draft_cap=4), costs)
+    tokens = dec.generate([START], 20).tokens
+    m = dec.metrics
+    assert len(tokens) == 20
+    assert (m.empty_drafts, m.backoff_steps, m.draft_passes, m.drafted) == (4, 15, 4, 0)
+    off = SpeculativeDecoder(model, get_method("ca+ae"), SpecSettings(draft_topk=1, draft_cap=4, backoff=False), costs)
+    off.generate([START], 20)
+    assert (off.metrics.empty_drafts, off.metrics.backoff_steps) == (19, 0)
