@@ -57,7 +57,8 @@ def test_info_json(tiny_model_dirs):
     assert facts["experts_per_layer"] == 8 and facts["top_k"] == 2 and facts["layers"] == 2
     per_expert = 3 * c.hidden_size * c.intermediate_size
     assert facts["expert_bytes_stored"] == per_expert * 4  # float32 checkpoint
-    assert facts["expert_bytes_resident"] == per_expert * 4
+    # resident = stored encoding; under O_DIRECT each read range is rounded out to whole pages
+    assert per_expert * 4 <= facts["expert_bytes_resident"] <= per_expert * 4 + 2 * 2 * 4096
     table = s2moe("info", "--model", fused)
     assert table.returncode == 0 and "expert_bytes_stored" in table.stdout
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from .cost_model import CostConstants
 from ..engine import phase_of
-from ..model.forward import MoEModel, silu
+from ..model.forward import MoEModel
 from ..model.routing import RoutingPolicy
 
 
@@ -51,7 +51,7 @@ def estimate_costs(model: MoEModel, prompt: list[int], draft_policy: RoutingPoli
         arrays.wait(w)
 
         def one_expert():
-            (silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
+            model.ops.expert(x, w, model.act)
             arrays.synchronize()  # device work is asynchronous: time its completion
 
         t_hit = _median_time(one_expert, 20)

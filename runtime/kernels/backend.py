@@ -65,8 +65,10 @@ class Backend:
         return self.xp is not np
 
     def to_device(self, a):
-        """Host array → this backend (no copy on NumPy)."""
-        return self.xp.asarray(a) if self.on_device and a is not None else a
+        """Host array → this backend (no copy on NumPy). On a device, stored matrices are decoded
+        to float32 first: the device computes in float32 (stored-precision device kernels are not
+        built yet)."""
+        return self.xp.asarray(_as_float(a)) if self.on_device and a is not None else a
 
     def to_host(self, a) -> np.ndarray:
         """Device array → NumPy; on a device this waits for the producing work (a sync)."""
@@ -107,7 +109,7 @@ class Backend:
     def pin_expert(self, w):
         """`ExpertWeights` with every part in pinned host memory (`HostTier`; copies skip staging)."""
         parts = {name: None if a is None else self.pin(a) for name, a in _parts(w).items()}
-        return replace(w, **parts, pinned=True)
+        return replace(w, **parts, pinned=True, alloc_bytes=None)
 
     def upload_expert(self, w):
         """Host `ExpertWeights` → device, copied on the copy stream; the result carries the event
@@ -129,7 +131,7 @@ class Backend:
             parts[name].set(src, stream=self._copy_stream)
         event = self._copy_stream.record()
         self._in_flight.append((event, staged))
-        return replace(w, **parts, ready=event, pinned=False)
+        return replace(w, **parts, ready=event, pinned=False, alloc_bytes=None)
 
     def wait(self, w) -> None:
         """Make the compute stream wait until ``w``'s copy has landed (no host sync)."""
@@ -138,9 +140,16 @@ class Backend:
             self.xp.cuda.get_current_stream().wait_event(event)
 
 
+def _as_float(a):
+    from .stored import StoredMatrix
+
+    return a.dequantize() if isinstance(a, StoredMatrix) else a
+
+
 def _parts(w) -> dict:
-    return {"gate": w.gate, "up": w.up, "down": w.down, "gate_bias": w.gate_bias, "up_bias": w.up_bias,
-            "down_bias": w.down_bias}
+    """An expert's arrays as float32 (the device computes in float32)."""
+    return {"gate": _as_float(w.gate), "up": _as_float(w.up), "down": _as_float(w.down), "gate_bias": w.gate_bias,
+            "up_bias": w.up_bias, "down_bias": w.down_bias}
 
 
 NUMPY = Backend("numpy", np, "requested")

@@ -37,17 +37,15 @@ def masked_softmax(scores: np.ndarray, allowed: np.ndarray, sinks: np.ndarray | 
     return e / total
 
 
-def _linear(x: np.ndarray, W: dict, name: str) -> np.ndarray:
-    y = x @ W[name].T
-    bias = W.get(name + "_bias")
-    return y if bias is None else y + bias
+def _linear(ops, x: np.ndarray, W: dict, name: str) -> np.ndarray:
+    return ops.linear(x, W[name], W.get(name + "_bias"))
 
 
-def gqa(c: ModelConfig, W: dict, L: int, x: np.ndarray, start: int, kv: KVCache, cs, allowed) -> np.ndarray:
+def gqa(c: ModelConfig, W: dict, ops, L: int, x: np.ndarray, start: int, kv: KVCache, cs, allowed) -> np.ndarray:
     T = x.shape[0]
     nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
     p = f"layers.{L}."
-    q, k, v = _linear(x, W, p + "q"), _linear(x, W, p + "k"), _linear(x, W, p + "v")
+    q, k, v = _linear(ops, x, W, p + "q"), _linear(ops, x, W, p + "k"), _linear(ops, x, W, p + "v")
     if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
         q = rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
         k = rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
@@ -69,10 +67,10 @@ def gqa(c: ModelConfig, W: dict, L: int, x: np.ndarray, start: int, kv: KVCache,
     sinks = W[p + "sinks"].reshape(nkv, group, 1, 1) if c.attention_sinks else None
     probs = masked_softmax(scores, allowed, sinks).reshape(nkv, group * T, S)
     out = (probs @ values).reshape(nh, T, D)
-    return _linear(out.transpose(1, 0, 2).reshape(T, nh * D), W, p + "o")
+    return _linear(ops, out.transpose(1, 0, 2).reshape(T, nh * D), W, p + "o")
 
 
-def mla(c: ModelConfig, W: dict, L: int, x: np.ndarray, start: int, kv: KVCache, cs, allowed) -> np.ndarray:
+def mla(c: ModelConfig, W: dict, ops, L: int, x: np.ndarray, start: int, kv: KVCache, cs, allowed) -> np.ndarray:
     """DeepSeek's multi-head latent attention in its absorbed form.
 
     The cache holds, per position, the normalised latent c_kv [r] and the shared RoPE key k_pe
@@ -85,11 +83,11 @@ def mla(c: ModelConfig, W: dict, L: int, x: np.ndarray, start: int, kv: KVCache,
     dn = c.head_dim - dr
     p = f"layers.{L}."
     if c.q_lora_rank:
-        q = rms_norm(_linear(x, W, p + "q_a"), W[p + "q_a_norm"], c.rms_norm_eps) @ W[p + "q_b"].T
+        q = ops.linear(rms_norm(_linear(ops, x, W, p + "q_a"), W[p + "q_a_norm"], c.rms_norm_eps), W[p + "q_b"])
     else:
-        q = x @ W[p + "q"].T
+        q = ops.linear(x, W[p + "q"])
     q = q.reshape(T, nh, dn + dr).transpose(1, 0, 2)  # [nh, T, dn + dr]
-    compressed = _linear(x, W, p + "kv_a")  # [T, r + dr]
+    compressed = _linear(ops, x, W, p + "kv_a")  # [T, r + dr]
     latent = rms_norm(compressed[:, :r], W[p + "kv_a_norm"], c.rms_norm_eps)
     q_pe = rope.apply(q[..., dn:], *cs, c.rope_interleave)
     k_pe = rope.apply(compressed[None, :, r:], *cs, c.rope_interleave)  # [1, T, dr]
@@ -100,7 +98,7 @@ def mla(c: ModelConfig, W: dict, L: int, x: np.ndarray, start: int, kv: KVCache,
     scores = (q_lat @ lat[0].T + q_pe @ pe[0].T) * c.attn_scale  # [nh, T, S]
     probs = masked_softmax(scores, allowed)
     out = (probs @ lat[0]) @ kv_b[:, dn:].transpose(0, 2, 1)  # [nh, T, dv]
-    return _linear(out.transpose(1, 0, 2).reshape(T, nh * dv), W, p + "o")
+    return _linear(ops, out.transpose(1, 0, 2).reshape(T, nh * dv), W, p + "o")
 
 
 ATTENTION = {"gqa": gqa, "mla": mla}

@@ -1,9 +1,11 @@
-"""The MoE transformer forward pass in float32, on NumPy or a device backend (runtime/kernels/backend.py).
+"""The MoE transformer forward pass, on NumPy or a device backend (runtime/kernels/backend.py).
 
 One batched call serves prefill, single-token decode and multi-token verification: tokens [T] at
 positions [start, start + T) attend to every cached position before them. Architecture details
 (attention kind, q/k norm, RoPE, router, expert activation, shared experts) come from
-`ModelConfig`; expert weights come from a provider.
+`ModelConfig`; expert weights come from a provider. Every matrix product goes through the kernel
+seam (`self.ops`, runtime/kernels): weights stay in their stored encoding, activations are float32.
+Long prompts run in chunks of `PREFILL_CHUNK` tokens, so a pass's scratch memory is bounded.
 """
 
 from __future__ import annotations
@@ -16,42 +18,22 @@ import numpy as np
 
 from . import rope
 from .attention import ATTENTION, rms_norm
+from ..kernels import ExpertAct, select_ops
 from ..kernels.backend import NUMPY, Backend, xp_of
+from ..kernels.reference import silu
 from .config import ModelConfig
-from ..offload.experts import ExpertProvider, ExpertWeights
+from ..offload.experts import ExpertProvider
 from .kv_cache import KVCache
 from .loader import LoadedModel
 from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, route
 
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    xp = xp_of(x)
-    with np.errstate(over="ignore"):  # exp(-x) → inf for very negative x gives the right limit, -0
-        return x / (1.0 + xp.exp(-x))
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    xp = xp_of(x)
-    with np.errstate(over="ignore"):
-        return 1.0 / (1.0 + xp.exp(-x))
+PREFILL_CHUNK = 64  # tokens per pass of a long prompt: bounds attention scores and expert scratch
 
 
 def _biased(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     return y if bias is None else y + bias
-
-
-def expert_ffn(c: ModelConfig, w: ExpertWeights, h: np.ndarray) -> np.ndarray:
-    """One expert on its tokens: SwiGLU, or GPT-OSS's clamped variant; biases where present."""
-    gate, up = _biased(h @ w.gate.T, w.gate_bias), _biased(h @ w.up.T, w.up_bias)
-    if c.expert_act == "swiglu_clamped":
-        xp = xp_of(gate)
-        gate = xp.minimum(gate, c.swiglu_limit)
-        up = xp.clip(up, -c.swiglu_limit, c.swiglu_limit)
-        act = (up + 1.0) * gate * _sigmoid(c.swiglu_alpha * gate)
-    else:
-        act = silu(gate) * up
-    return _biased(act @ w.down.T, w.down_bias)
 
 
 class TimeSplit:
@@ -74,19 +56,23 @@ class _NoSplit:
 
 
 class MoEModel:
-    def __init__(self, loaded: LoadedModel, experts: ExpertProvider | None = None, backend: Backend = NUMPY):
+    def __init__(self, loaded: LoadedModel, experts: ExpertProvider | None = None, backend: Backend = NUMPY,
+                 ops=None):
         self.loaded = loaded
         self.config: ModelConfig = loaded.config
         self.backend = backend
-        # dense weights where the math runs (NumPy: the loaded arrays themselves, no copy); a tied
-        # head is the embedding array itself, uploaded once
-        self.W = loaded.dense
+        self.ops = ops or select_ops("auto", backend=backend)
+        self.act = ExpertAct.of(self.config)
+        # dense weights where the math runs (host: the loaded objects themselves, no copy); a tied
+        # head is the embedding itself, uploaded once
+        dense = loaded.load_dense()
+        self.W = dense
         if backend.on_device:
             uploaded: dict[int, object] = {}
-            for v in loaded.dense.values():
+            for v in dense.values():
                 if id(v) not in uploaded:
                     uploaded[id(v)] = backend.to_device(v)
-            self.W = {k: uploaded[id(v)] for k, v in loaded.dense.items()}
+            self.W = {k: uploaded[id(v)] for k, v in dense.items()}
         if experts is None:  # full residency, buffered reads: the plain reference configuration
             from ..offload.cache import ExpertCache
             from ..offload.store import ExpertStore
@@ -105,14 +91,14 @@ class MoEModel:
         return rope.tables(self._inv_freq, self._rope_factor, positions)
 
     def _attention(self, L: int, x: np.ndarray, start: int, kv: KVCache, cos, sin, allowed) -> np.ndarray:
-        return self._attention_kind(self.config, self.W, L, x, start, kv, (cos, sin), allowed)
+        return self._attention_kind(self.config, self.W, self.ops, L, x, start, kv, (cos, sin), allowed)
 
     def _moe(self, L: int, x: np.ndarray, policy: RoutingPolicy, record: RoutingRecord | None) -> np.ndarray:
         c, W, host = self.config, self.W, self.loaded.dense
         p = f"layers.{L}."
         with self.split.part("router"):
             # routing runs on the host: the cache must know the experts before computing them
-            logits = self.backend.to_host(_biased(x @ W[p + "router"].T, W.get(p + "router_bias")))  # [T, E]
+            logits = self.backend.to_host(self.ops.linear(x, W[p + "router"], W.get(p + "router_bias")))  # [T, E]
             k = policy.k_for(L, c.top_k)
             bias = policy.selection_bias(L, logits) if policy.selection_bias else None
             groups = (c.expert_groups, c.expert_groups_used) if c.expert_groups else None
@@ -128,24 +114,31 @@ class MoEModel:
         return out
 
     def _experts(self, L: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """Tokens grouped by expert; each expert's weights fetched once for the whole pass."""
+        """Tokens grouped by expert; each expert's weights fetched once for the whole pass. The
+        resident experts are computed first, in one kernel call, while missing ones are read;
+        then each group of fetched experts as it arrives."""
+        dev = self.backend.to_device
         flat = experts.ravel()
         order = np.argsort(flat, kind="stable")
         ids, starts = np.unique(flat[order], return_index=True)
         bounds = np.append(starts, flat.size)
-        token_of = self.backend.to_device(order // experts.shape[1])
-        weight_of = self.backend.to_device(weights.ravel()[order])
+        token_of = (order // experts.shape[1]).astype(np.int32)
+        weight_of = weights.ravel()[order].astype(np.float32)
+        rows = {int(e): (dev(token_of[bounds[i]:bounds[i + 1]]), dev(weight_of[bounds[i]:bounds[i + 1]]))
+                for i, e in enumerate(ids)}
         out = xp_of(x).zeros_like(x)
-        for w, i in zip(self.experts.get(L, [int(e) for e in ids]), range(len(ids))):
-            self.backend.wait(w)  # its copy (device backends) may still be in flight
-            rows = token_of[bounds[i]:bounds[i + 1]]
-            out[rows] += weight_of[bounds[i]:bounds[i + 1], None] * expert_ffn(self.config, w, x[rows])
+        stream = getattr(self.experts, "stream", None)
+        groups = stream(L, list(rows)) if stream else [list(zip(rows, self.experts.get(L, list(rows))))]
+        for group in groups:
+            for _, w in group:
+                self.backend.wait(w)  # its copy (device backends) may still be in flight
+            self.ops.experts(x, [(w, *rows[e]) for e, w in group], self.act, out)
         return out
 
     def _dense_mlp(self, L: int, x: np.ndarray, kind: str = "mlp_") -> np.ndarray:
-        W = self.W
+        W, ops = self.W, self.ops
         p = f"layers.{L}.{kind}"
-        return (silu(x @ W[p + "gate"].T) * (x @ W[p + "up"].T)) @ W[p + "down"].T
+        return ops.linear(silu(ops.linear(x, W[p + "gate"])) * ops.linear(x, W[p + "up"]), W[p + "down"])
 
     def _visibility(self, start: int, T: int, pos: np.ndarray, tree_mask: np.ndarray | None,
                     window: int | None) -> np.ndarray:
@@ -183,10 +176,25 @@ class MoEModel:
         ``tree_mask`` instead says exactly which slots each token sees.
         Returns logits [T, V] (or [1, V] with ``logits="last"``) and the routing record.
         """
-        c, W, dev = self.config, self.W, self.backend.to_device
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        T = tokens.size
         start = kv.filled if start is None else start
+        if tokens.size <= PREFILL_CHUNK or positions is not None or tree_mask is not None:
+            return self._pass(tokens, kv, start, policy, logits, record, positions, tree_mask)
+        # a long chain (a prompt): causal chunks, each attending to the ones before it
+        outs, recs = [], []
+        for i in range(0, tokens.size, PREFILL_CHUNK):
+            last = i + PREFILL_CHUNK >= tokens.size
+            out, rec = self._pass(tokens[i:i + PREFILL_CHUNK], kv, start + i, policy,
+                                  logits if last else ("all" if logits == "all" else "none"), record)
+            if out is not None:
+                outs.append(out)
+            recs.append(rec)
+        return np.concatenate(outs), (RoutingRecord.concatenate(recs) if record else None)
+
+    def _pass(self, tokens: np.ndarray, kv: KVCache, start: int, policy: RoutingPolicy, logits: str, record: bool,
+              positions=None, tree_mask=None) -> tuple[np.ndarray | None, RoutingRecord | None]:
+        c, W, dev, ops = self.config, self.W, self.backend.to_device, self.ops
+        T = tokens.size
         kv.begin_write(start, T)
         if tokens.min(initial=0) < 0 or tokens.max(initial=0) >= c.vocab_size:
             raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
@@ -198,7 +206,7 @@ class MoEModel:
         begin, end = getattr(self.experts, "begin_pass", None), getattr(self.experts, "end_pass", None)
         if begin:
             begin()
-        h = W["embed"][dev(tokens)]
+        h = ops.embed(W["embed"], dev(tokens))
         for L in range(c.num_layers):
             with self.split.part("attention"):
                 h = h + self._attention(L, rms_norm(h, W[f"layers.{L}.attn_norm"], c.rms_norm_eps), start, kv, cos, sin,
@@ -209,11 +217,12 @@ class MoEModel:
             else:
                 with self.split.part("dense_mlp"):
                     h = h + self._dense_mlp(L, x)
-        with self.split.part("lm_head"):
-            if logits == "last":
-                h = h[-1:]
-            # [V, H] @ [H, T] streams the head once: 2–3× faster than h @ W.T for 2–16 tokens
-            out = xp_of(h).ascontiguousarray((W["lm_head"] @ rms_norm(h, W["norm"], c.rms_norm_eps).T).T)
+        out = None
+        if logits != "none":  # inner chunks of a prompt skip the head
+            with self.split.part("lm_head"):
+                if logits == "last":
+                    h = h[-1:]
+                out = ops.linear(rms_norm(h, W["norm"], c.rms_norm_eps), W["lm_head"])
         if end:
             end()
-        return self.backend.to_host(out), rec  # logits to the host: sampling and acceptance run there
+        return (None if out is None else self.backend.to_host(out)), rec  # logits to the host for sampling

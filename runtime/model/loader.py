@@ -11,30 +11,21 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable
-
-import numpy as np
 
 from .config import ConfigReader, ModelConfig
 from ..errors import ModelFormatError, UnsupportedModelError
-from ..offload.experts import ExpertWeights, assemble, resident_elements
-from .formats import tensors as T
+from . import dense as D
 from .formats.tensors import TensorRef
 from .models import BY_GGUF_ARCH, BY_HF_TYPE, names_for
 
 PROJECTIONS = ("gate", "up", "down")
 BIASES = ("gate_bias", "up_bias", "down_bias")
-# Dense weights the forward pass applies as ``x @ W.T``. They are kept input-major (Fortran order,
-# same values and shape): W.T is then C-contiguous, and OpenBLAS's small-M kernels run 2–5× faster
-# on the few-token batches of decode and verification (docs/performance.md, "Compute layout").
-LINEAR = frozenset({"q", "k", "v", "o", "q_a", "q_b", "kv_a", "router", "shared_gate", "shared_up", "shared_down",
-                    "mlp_gate", "mlp_up", "mlp_down"})
 
 
 @dataclass(frozen=True)
 class ExpertRefs:
     """Where one (layer, expert)'s weights live on disk: named byte ranges (roles) and the layout
-    that `experts.assemble` turns them into compute weights with, after decoding."""
+    that `offload.experts.assemble` turns them into resident weights with."""
 
     layer: int
     expert: int
@@ -63,20 +54,27 @@ class ExpertRefs:
     def stored_bytes(self) -> int:
         return sum(r.nbytes for r in self.refs)
 
+    def resident_bytes_for(self, direct: bool) -> int:
+        """Memory one resident copy holds: the read buffers of parts kept stored (page-rounded
+        under O_DIRECT) plus the arrays converted parts become (see offload/experts.py)."""
+        from ..offload.experts import converted_bytes, kept_stored
+        from ..offload.reader import coalesce, span_cost
+
+        roles = [role for role, _ in self.parts]
+        kept = sum(span_cost(span.offset, span.nbytes, direct) for span, members in coalesce(self.refs)
+                   if any(kept_stored(self.layout, roles[i], ref) for i, ref in members))
+        return kept + sum(converted_bytes(self.layout, role, ref) for role, ref in self.parts)
+
     @property
     def resident_bytes(self) -> int:
-        """Bytes once dequantised to the float32 compute format (what `ExpertWeights.nbytes` counts)."""
-        return sum(resident_elements(role, r.n_elements) for role, r in self.parts) * 4
-
-    def assemble(self, arrays: list) -> ExpertWeights:
-        """Decoded parts, in `refs` order → compute weights."""
-        return assemble(self.layout, {role: a for (role, _), a in zip(self.parts, arrays)})
+        """Memory one resident copy holds when read with O_DIRECT (the most it can hold)."""
+        return self.resident_bytes_for(True)
 
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    dense: dict[str, np.ndarray]  # "embed", "norm", "lm_head", "layers.{L}.{name}"
+    dense_specs: dict[str, D.DenseSpec]  # "embed", "norm", "lm_head", "layers.{L}.{name}"
     experts: dict[tuple[int, int], ExpertRefs]
     path: str
     format: str  # "safetensors" | "gguf"
@@ -86,10 +84,28 @@ class LoadedModel:
     # the model's own sampling defaults (temperature / top_k / top_p) where it asks to sample:
     # generation_config.json with do_sample, or a GGUF's general.sampling.* keys
     generation_defaults: dict = field(default_factory=dict)
+    dense: dict = field(default_factory=dict, repr=False)  # filled by load_dense()
+
+    def load_dense(self, direct: bool = True) -> dict:
+        """Read the dense part (once): O_DIRECT or buffered + dropped pages, stored encodings kept."""
+        if not self.dense and self.dense_specs:
+            from ..offload.reader import FileReader
+
+            reader = FileReader(direct)
+            try:
+                self.dense = D.load(self.dense_specs, reader)
+            finally:
+                reader.close()
+        return self.dense
 
     @property
     def dense_bytes(self) -> int:
-        return sum(a.nbytes for a in self.dense.values())
+        """Memory the dense part holds once loaded (planned from the specs: nothing is read)."""
+        return D.resident_bytes(self.dense_specs)
+
+    @property
+    def dense_stored_bytes(self) -> int:
+        return sum(r.nbytes for s in {id(s): s for s in self.dense_specs.values()}.values() for r in s.refs)
 
     @property
     def expert_stored_bytes(self) -> int:
@@ -99,8 +115,8 @@ class LoadedModel:
     def expert_resident_bytes(self) -> int:
         return sum(e.resident_bytes for e in self.experts.values())
 
-    def layer(self, i: int, name: str) -> np.ndarray | None:
-        return self.dense.get(f"layers.{i}.{name}")
+    def layer(self, i: int, name: str):
+        return self.load_dense().get(f"layers.{i}.{name}")
 
 
 class _Resolver:
@@ -131,7 +147,16 @@ class _Resolver:
         return ref
 
 
-def load_model(path: str) -> LoadedModel:
+def load_model(path: str, dense: bool = True) -> LoadedModel:
+    """Index a checkpoint; with ``dense`` also read its dense part (the engine plans its memory
+    first, so it passes False and loads after the budget check)."""
+    loaded = _open_model(path)
+    if dense:
+        loaded.load_dense()
+    return loaded
+
+
+def _open_model(path: str) -> LoadedModel:
     if not os.path.exists(path):
         raise ModelFormatError(f"{path}: no such file or folder; pass --model with a Hugging Face folder or a .gguf file")
     if os.path.isdir(path):
@@ -164,7 +189,7 @@ def _load_hf(folder: str) -> LoadedModel:
     config = arch.config_from_hf(ConfigReader(raw, cfg_path))
     refs = index_folder(folder)
     res = _Resolver(refs, names_for(arch, "hf"), folder)
-    dense = _load_dense(config, res, T.load)
+    dense = _dense_specs(config, res)
     experts, layout = _expert_refs(config, res, "hf", getattr(arch, "HF_EXPERTS", "split"))
     tok = os.path.join(folder, "tokenizer.json")
     return LoadedModel(config, dense, experts, folder, "safetensors", layout, tok if os.path.exists(tok) else None,
@@ -192,28 +217,10 @@ def _load_gguf(path: str) -> LoadedModel:
             raise ModelFormatError(f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)")
         config = ModelConfig(**{**config.to_dict(), "vocab_size": vocab})
     res = _Resolver(index.tensors, names_for(arch, "gguf"), path)
-    load = T.load
-    if getattr(arch, "GGUF_QK_PERMUTED", False):
-        load = _unpermuting_loader(config)
-    dense = _load_dense(config, res, load, tied_if_missing=True)
+    dense = _dense_specs(config, res, tied_if_missing=True, qk_permuted=getattr(arch, "GGUF_QK_PERMUTED", False))
     experts, layout = _expert_refs(config, res, "gguf")
     return LoadedModel(config, dense, experts, path, "gguf", layout, None, gguf=index,
                        generation_defaults=_gguf_sampling(index.metadata))
-
-
-def _unpermuting_loader(config: ModelConfig) -> Callable[[TensorRef], np.ndarray]:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE) so HF's rotate-half RoPE applies."""
-
-    def load(ref: TensorRef) -> np.ndarray:
-        w = T.load(ref)
-        kind = ref.name.split(".")[-2] if ref.name.endswith(".weight") else ""
-        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(kind)
-        if heads is None:
-            return w
-        rows, cols = w.shape
-        return w.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-    return load
 
 
 def _layer_shapes(c: ModelConfig, L: int) -> dict[str, tuple[int, ...]]:
@@ -279,37 +286,41 @@ def _gguf_sampling(meta: dict) -> dict:
     return {k: from_f32(meta[f"general.sampling.{g}"]) for k, g in keys if f"general.sampling.{g}" in meta}
 
 
-def _load_dense(
-    config: ModelConfig, res: _Resolver, load: Callable[[TensorRef], np.ndarray], tied_if_missing: bool = False
-) -> dict[str, np.ndarray]:
+def _dense_specs(config: ModelConfig, res: _Resolver, tied_if_missing: bool = False,
+                 qk_permuted: bool = False) -> dict[str, D.DenseSpec]:
+    """Every dense tensor's spec (refs, shape checked against the config; nothing read yet)."""
     c = config
     H, V = c.hidden_size, c.vocab_size
-    dense = {"embed": load(res.need("embed", (V, H))), "norm": load(res.need("norm", (H,)))}
+
+    def spec(name: str, ref: TensorRef) -> D.DenseSpec:
+        canon = name.rsplit(".", 1)[-1]
+        heads = {"q": c.num_heads, "k": c.num_kv_heads}.get(canon, 0) if qk_permuted else 0
+        kind = "unpermute" if heads else ("stored" if canon in D.STORED else "float")
+        return D.DenseSpec(name, (ref,), kind, heads)
+
+    specs = {"embed": spec("embed", res.need("embed", (V, H))), "norm": spec("norm", res.need("norm", (H,)))}
     # Tied models omit the head: HF says so in the config, GGUF simply leaves out `output.weight`.
     if c.tie_word_embeddings or (tied_if_missing and res.find("lm_head") is None):
-        dense["lm_head"] = dense["embed"]
+        specs["lm_head"] = specs["embed"]
     else:
-        dense["lm_head"] = load(res.need("lm_head", (V, H)))
+        specs["lm_head"] = spec("lm_head", res.need("lm_head", (V, H)))
     for L in range(c.num_layers):
         for name, shape in _layer_shapes(c, L).items():
+            key = f"layers.{L}.{name}"
             if name == "kv_b" and res.find("kv_b", L=L) is None and res.find("k_b", L=L) is not None:
-                dense[f"layers.{L}.kv_b"] = _kv_b_from_split(c, res, load, L)
+                specs[key] = _kv_b_from_split(c, res, L, key)
                 continue
-            dense[f"layers.{L}.{name}"] = load(res.need(name, shape, L=L))
-    for key, w in dense.items():
-        if key.rsplit(".", 1)[-1] in LINEAR:
-            dense[key] = np.asfortranarray(w)
-    return dense
+            specs[key] = spec(key, res.need(name, shape, L=L))
+    return specs
 
 
-def _kv_b_from_split(c: ModelConfig, res: _Resolver, load, L: int) -> np.ndarray:
+def _kv_b_from_split(c: ModelConfig, res: _Resolver, L: int, key: str) -> D.DenseSpec:
     """Newer llama.cpp GGUFs may carry MLA's kv_b only as attn_k_b [heads, r, nope] (transposed)
-    and attn_v_b [heads, dv, r]; rebuild kv_b [heads · (nope + dv), r]."""
+    and attn_v_b [heads, dv, r]; kv_b [heads · (nope + dv), r] is rebuilt from both."""
     nh, r, dv = c.num_heads, c.kv_lora_rank, c.v_head_dim
     dn = c.head_dim - c.qk_rope_head_dim
-    k_b = load(res.need("k_b", (nh, r, dn), L=L))
-    v_b = load(res.need("v_b", (nh, dv, r), L=L))
-    return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(nh * (dn + dv), r))
+    refs = (res.need("k_b", (nh, r, dn), L=L), res.need("v_b", (nh, dv, r), L=L))
+    return D.DenseSpec(key, refs, "kv_b", shape=(nh * (dn + dv), r))
 
 
 def _expert_refs(config: ModelConfig, res: _Resolver, fmt: str, hf_layout: str = "split") -> tuple[dict, str]:

@@ -42,6 +42,16 @@ class RoutingRecord:
 
     layers: dict[int, LayerRouting] = field(default_factory=dict)
 
+    @classmethod
+    def concatenate(cls, records: list["RoutingRecord"]) -> "RoutingRecord":
+        """One record for consecutive chunks of one chain (a prompt run in pieces)."""
+        out = cls()
+        for L in records[0].layers:
+            parts = [r.layers[L] for r in records]
+            out.layers[L] = LayerRouting(*(np.concatenate([getattr(p, f) for p in parts])
+                                           for f in ("logits", "experts", "weights")))
+        return out
+
     def experts_of_token(self, t: int) -> dict[int, np.ndarray]:
         return {L: r.experts[t] for L, r in self.layers.items()}
 

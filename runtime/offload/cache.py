@@ -1,10 +1,15 @@
-"""The fast tier: experts in compute format within a byte budget.
+"""The fast tier: resident experts (stored encoding) within a byte budget.
 
 Hot experts (from a profile or a published-format hot list) are pinned; the rest of the space is
 managed by a replacement policy (`lru`, or `lfu`: frequency with exponential decay). The experts a
 request asks for are protected while it is served, so nothing the current pass needs is evicted;
-when pinned and protected experts leave no room, a fetched expert streams through a work buffer
-(used once, not kept) and the resident bytes never exceed the budget.
+when pinned and protected experts leave no room, a fetched expert streams through (used once, not
+kept) and the resident bytes never exceed the budget.
+
+`stream` hands a layer's experts to the forward pass as they become available: the resident ones
+at once, then the missing ones as their reads complete, with at most ``window`` reads in flight.
+The kernels compute the first groups (GIL released) while the fetch threads read the next, and
+experts that stream through occupy at most 2 × window experts' memory (the plan counts this).
 
 Accounting is per phase (prefill / draft / verify / ar / load): hits, misses, bytes read, fetch
 seconds, achieved bandwidth, unique experts per pass; plus peak resident bytes.
@@ -15,10 +20,10 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from ..errors import UsageError
 from .experts import ExpertWeights
@@ -152,12 +157,16 @@ class DecayedLFU:
 
 
 POLICIES = {"lru": LRU, "lfu": DecayedLFU}
+
+
+def _done(item) -> bool:
+    return item.done() if hasattr(item, "done") else True
 DEFAULT_POLICY = "lfu"
 
 
 class ExpertCache:
     def __init__(self, store, capacity_bytes: int | None = None, policy: str = DEFAULT_POLICY,
-                 hot: Iterable[Key] = (), resident_size=None, place=None):
+                 hot: Iterable[Key] = (), resident_size=None, place=None, window: int = 4):
         """``capacity_bytes`` None = unlimited (full residency). ``resident_size(key)`` gives an
         expert's compute-format bytes, used to check the hot set fits before reading it.
         ``place`` moves fetched weights into the fast tier's memory (`Backend.upload_expert`:
@@ -168,6 +177,7 @@ class ExpertCache:
         self.capacity = capacity_bytes
         self.policy = POLICIES[policy]()
         self.place = place or (lambda w: w)
+        self.window = max(1, window)
         self.held: dict[Key, ExpertWeights] = {}
         self.pinned: set[Key] = set()
         self.resident_bytes = 0
@@ -251,38 +261,57 @@ class ExpertCache:
         return True
 
     def get(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
+        """All of ``experts`` at once, in order (reads in flight together: no window)."""
+        got = dict(item for group in self.stream(layer, experts, window=len(experts) or 1) for item in group)
+        return [got[int(e)] for e in experts]
+
+    def stream(self, layer: int, experts: Sequence[int], window: int | None = None
+               ) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Groups of (expert, weights): the resident ones first, then the missing ones in the order
+        their reads complete, at most ``window`` (default: the cache's) in flight."""
         stats = self.stats[self.phase]
         keys = [(layer, int(e)) for e in experts]
         if self._pass_keys is not None:
             self._pass_keys.update(keys)
-        out: dict[Key, ExpertWeights] = {}
-        missing = []
+        hits, missing = [], []
         for key in keys:
             w = self.held.get(key)
             if w is None:
                 missing.append(key)
             else:
-                out[key] = w
+                hits.append((key[1], w))
                 if key not in self.pinned:
                     self.policy.touch(key)
-        stats.hits += len(keys) - len(missing)
+        stats.hits += len(hits)
         stats.misses += len(missing)
         for key in missing:
             self.policy.access(key)
-        if missing:
+        if hits:
+            yield hits
+        if not missing:
+            return
+        window = window or self.window
+        submit = getattr(self.store, "submit", None)
+        protected = set(keys)
+        pending, inflight = deque(missing), deque()
+        while pending or inflight:
             t0 = time.perf_counter()
-            fetched = [self.place(w) for w in self.store.read_many(layer, [e for _, e in missing])]
-            stats.fetch_seconds += time.perf_counter() - t0
-            protected = set(keys)
-            for key, w in zip(missing, fetched):
+            while pending and len(inflight) < window:
+                key = pending.popleft()
+                inflight.append((key, submit(layer, [key[1]])[0] if submit else self.store.read_many(layer, [key[1]])[0]))
+            group = []
+            while inflight and (not group or _done(inflight[0][1])):  # the next, and any others already read
+                key, item = inflight.popleft()
+                w = self.place(item.result() if hasattr(item, "result") else item)
                 stats.bytes_read += self.store.stored_bytes(*key)
-                out[key] = w
                 if self._make_room(key, w.nbytes, protected):
                     self._keep(key, w)
                 else:
                     stats.streamed += 1
+                group.append((key[1], w))
+            stats.fetch_seconds += time.perf_counter() - t0  # time the pass waited for reads
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
-        return [out[k] for k in keys]
+            yield group
 
     def report(self) -> dict:
         return {

@@ -22,6 +22,9 @@ class HostTier:
     def read(self, layer: int, expert: int):
         return self.weights[layer, expert]
 
+    def submit(self, layer: int, experts: list[int]) -> list:
+        return self.read_many(layer, experts)  # already in memory: plain results, no futures
+
     def stored_bytes(self, layer: int, expert: int) -> int:
         return self.store.stored_bytes(layer, expert)
 

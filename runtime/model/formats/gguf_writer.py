@@ -31,9 +31,17 @@ def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def _f32(a) -> np.ndarray:
+    """A tensor as float32 (stored matrices decoded by the reference path)."""
+    from ...kernels.stored import StoredMatrix
+
+    return a.dequantize() if isinstance(a, StoredMatrix) else a
+
+
 def _named_tensors(model: LoadedModel, read_expert, split_experts: bool) -> Iterator[tuple[str, np.ndarray, bool]]:
     """(GGUF name, float32 array, is_expert) in llama.cpp's order."""
-    c, d = model.config, model.dense
+    c = model.config
+    d = {k: _f32(v) for k, v in model.load_dense().items()}
     names = names_for(BY_GGUF_ARCH[GGUF_ARCH[c.arch]], "gguf")
     permute = c.arch == "mixtral"
     yield "token_embd.weight", d["embed"], False
@@ -62,9 +70,9 @@ def _named_tensors(model: LoadedModel, read_expert, split_experts: bool) -> Iter
                 continue
             if split_experts:
                 for e, w in enumerate(experts):
-                    yield names[f"expert.{part}"][0].format(L=L, E=e), getattr(w, part), True
+                    yield names[f"expert.{part}"][0].format(L=L, E=e), _f32(getattr(w, part)), True
             else:
-                yield names[f"experts.{part}"][0].format(L=L), np.stack([getattr(w, part) for w in experts]), True
+                yield names[f"experts.{part}"][0].format(L=L), np.stack([_f32(getattr(w, part)) for w in experts]), True
 
 
 def _encode(name: str, w: np.ndarray, kind: str):

@@ -41,3 +41,17 @@ def dequantize_ggml(raw: np.ndarray) -> np.ndarray:
     idx = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
     with np.errstate(over="ignore"):  # E8M0 254/255 × 12 overflows to inf, as in ggml
         return (half_scale * _DOUBLED[idx]).reshape(-1)
+
+
+def hf_to_ggml_blocks(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Hugging Face blocks uint8 [..., G, 16] + scales [..., G] → GGML MXFP4 bytes [..., G · 17]:
+    the same codes and scales, nibbles regrouped (HF pairs elements 2j, 2j+1 in byte j; GGML pairs
+    j and j + 16) and the E8M0 byte put first, so the CPU kernels read GPT-OSS's experts as stored."""
+    b = np.asarray(blocks, dtype=np.uint8)
+    codes = np.empty(b.shape[:-1] + (BLOCK,), dtype=np.uint8)
+    codes[..., 0::2] = b & 0x0F
+    codes[..., 1::2] = b >> 4
+    out = np.empty(b.shape[:-1] + (GGML_BLOCK_BYTES,), dtype=np.uint8)
+    out[..., 0] = scales
+    out[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
+    return out.reshape(*b.shape[:-2], -1)

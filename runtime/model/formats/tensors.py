@@ -78,47 +78,49 @@ class TensorRef:
 def decode(ref: TensorRef, raw: bytes | bytearray | memoryview | np.ndarray, order: str = "C") -> np.ndarray:
     """Bytes of ``ref`` → float32 array of ``ref.shape`` (dequantising GGML blocks); U8 → a uint8 copy.
 
-    ``order="F"`` returns a 2-D float matrix input-major (Fortran order): plain types convert
-    straight into that layout at the cost of a C conversion."""
-    buf = np.frombuffer(raw, dtype=np.uint8, count=ref.nbytes)
-    if ref.dtype == "U8":  # a copy: the expert store reuses its read buffer
-        out = buf.copy()
-    elif ref.dtype == "BF16":
-        wide = buf.view("<u2").astype(np.uint32) << 16
-        out = wide.view(np.float32)
-    elif ref.dtype in PLAIN_DTYPES:
-        plain = buf.view(PLAIN_DTYPES[ref.dtype])
-        if order == "F" and len(ref.shape) == 2 and plain.size == ref.n_elements:
-            return plain.reshape(ref.shape).astype(np.float32, order="F")
-        out = plain.astype(np.float32)
-    else:
-        out = _dequantize_ggml(ref, buf)
-    if out.size != ref.n_elements:
-        raise ModelFormatError(
-            f"{ref.path}: tensor {ref.name} holds {out.size} values, its shape {list(ref.shape)} needs {ref.n_elements}"
-        )
-    out = out.reshape(ref.shape)
+    ``order="F"`` returns a 2-D float matrix input-major (Fortran order)."""
+    out = decode_array(ref.dtype, ref.shape, np.frombuffer(raw, dtype=np.uint8, count=ref.nbytes),
+                       f"{ref.path}: tensor {ref.name}")
     return np.asfortranarray(out) if order == "F" and out.ndim == 2 and ref.dtype != "U8" else out
 
 
-def _dequantize_ggml(ref: TensorRef, buf: np.ndarray) -> np.ndarray:
+def decode_array(dtype: str, shape: tuple[int, ...], buf: np.ndarray, where: str = "weights") -> np.ndarray:
+    """uint8 bytes of ``dtype`` → float32 array of ``shape`` (U8 → a uint8 copy). The reference
+    decoding: plain types by NumPy, GGML blocks by `gguf.quants` (MXFP4 by our bit-identical copy)."""
+    n_elements = int(np.prod(shape, dtype=np.int64))
+    buf = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+    if dtype == "U8":  # a copy: the expert store reuses its read buffer
+        out = buf.copy()
+    elif dtype == "BF16":
+        wide = buf.view("<u2").astype(np.uint32) << 16
+        out = wide.view(np.float32)
+    elif dtype in PLAIN_DTYPES:
+        out = buf.view(PLAIN_DTYPES[dtype]).astype(np.float32)
+    else:
+        out = _dequantize_ggml(dtype, buf, where)
+    if out.size != n_elements:
+        raise ModelFormatError(f"{where} holds {out.size} values, its shape {list(shape)} needs {n_elements}")
+    return out.reshape(shape)
+
+
+def _dequantize_ggml(dtype: str, buf: np.ndarray, where: str) -> np.ndarray:
     # Imported lazily: gguf pulls in more than a safetensors-only run needs.
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    if ref.dtype == "MXFP4":  # our own, bit-identical to gguf.quants (tests/test_families_extra.py)
+    if dtype == "MXFP4":  # our own, bit-identical to gguf.quants (tests/test_families_extra.py)
         from .mxfp4 import dequantize_ggml
 
         return dequantize_ggml(buf)
     try:
-        qtype = GGMLQuantizationType[ref.dtype]
+        qtype = GGMLQuantizationType[dtype]
     except KeyError:
-        raise UnsupportedModelError(f"{ref.path}: tensor {ref.name} has unknown type {ref.dtype}") from None
+        raise UnsupportedModelError(f"{where} has unknown type {dtype}") from None
     try:
         return dequantize(buf, qtype).astype(np.float32, copy=False).reshape(-1)
     except NotImplementedError:
         raise UnsupportedModelError(
-            f"{ref.path}: tensor {ref.name} uses {ref.dtype}, which the gguf package cannot dequantise; "
+            f"{where} uses {dtype}, which the gguf package cannot dequantise; "
             "re-export the model as F16, BF16, Q8_0, Q4_0 or Q4_K"
         ) from None
 

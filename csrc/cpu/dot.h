@@ -1,0 +1,16 @@
+/* Row dot products on stored blocks (see dot.c). */
+#ifndef S2MOE_DOT_H
+#define S2MOE_DOT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ys[t][r] = W[r] . xs[t] for r in [r0, r1), t < nb; W rows are rb bytes of K values of `type`. */
+void rows_dot(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const float *const *xs,
+              float *const *ys, int nb);
+/* Use the SIMD path if `want` and the CPU has it; returns whether it is used. */
+int dot_use_simd(int want);
+/* "avx2+fma+f16c" or "portable". */
+const char *dot_path(void);
+
+#endif

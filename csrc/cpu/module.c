@@ -1,0 +1,241 @@
+/* s2moe._cpu: the CPython face of the CPU kernels.
+ *
+ * Arrays arrive through the buffer protocol (no NumPy headers at build time); every size is checked
+ * against the buffers before the GIL is released, so a wrong call raises ValueError instead of
+ * reading out of bounds. The GIL is released while a kernel runs: expert fetches on other Python
+ * threads (pread releases it too) overlap with compute.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dot.h"
+#include "ops.h"
+#include "pool.h"
+#include "quant.h"
+
+/* A buffer with its element size checked: 'f' float32, 'i' int32, 'q' int64, 'B' raw bytes. */
+static int get_buf(PyObject *obj, Py_buffer *view, char kind, int writable, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: needs a C-contiguous%s buffer", what, writable ? " writable" : "");
+        return -1;
+    }
+    if (kind != 'B') {
+        const char *f = view->format ? view->format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        int ok = (kind == 'f' && f[0] == 'f' && view->itemsize == 4) ||
+                 (kind == 'i' && (f[0] == 'i' || f[0] == 'l') && view->itemsize == 4) ||
+                 (kind == 'q' && (f[0] == 'q' || f[0] == 'l') && view->itemsize == 8);
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError, "%s: wrong element type (format %s, itemsize %zd)", what,
+                         view->format ? view->format : "?", view->itemsize);
+            PyBuffer_Release(view);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int check_len(Py_buffer *v, Py_ssize_t want, const char *what) {
+    if (v->len != want) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, expected %zd", what, v->len, want);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_weights(Py_buffer *w, int type, long N, long K, const char *what) {
+    size_t rb = row_bytes(type, K);
+    if (!rb) {
+        PyErr_Format(PyExc_ValueError, "%s: type %d cannot hold rows of %ld values", what, type, K);
+        return -1;
+    }
+    return check_len(w, (Py_ssize_t)(rb * (size_t)N), what);
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    PyObject *wo, *xo, *yo, *bo = Py_None;
+    int type;
+    long N, K;
+    if (!PyArg_ParseTuple(args, "OillOO|O", &wo, &type, &N, &K, &xo, &yo, &bo)) return NULL;
+    Py_buffer w, x, y, b = {0};
+    if (get_buf(wo, &w, 'B', 0, "weights") < 0) return NULL;
+    if (get_buf(xo, &x, 'f', 0, "x") < 0) goto fail_w;
+    if (get_buf(yo, &y, 'f', 1, "out") < 0) goto fail_x;
+    if (bo != Py_None && get_buf(bo, &b, 'f', 0, "bias") < 0) goto fail_y;
+    long T = K > 0 ? (long)(x.len / 4 / K) : 0;
+    if (check_weights(&w, type, N, K, "weights") < 0 || K <= 0 || check_len(&x, (Py_ssize_t)T * K * 4, "x") < 0 ||
+        check_len(&y, (Py_ssize_t)T * N * 4, "out") < 0 || (b.buf && check_len(&b, N * 4, "bias") < 0))
+        goto fail_b;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = op_matmul(type, w.buf, N, K, x.buf, (int)T, y.buf, b.buf);
+    Py_END_ALLOW_THREADS if (rc == -2) {
+        PyErr_NoMemory();
+        goto fail_b;
+    }
+    if (b.buf) PyBuffer_Release(&b);
+    PyBuffer_Release(&y);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&w);
+    Py_RETURN_NONE;
+fail_b:
+    if (b.buf) PyBuffer_Release(&b);
+fail_y:
+    PyBuffer_Release(&y);
+fail_x:
+    PyBuffer_Release(&x);
+fail_w:
+    PyBuffer_Release(&w);
+    return NULL;
+}
+
+static PyObject *py_dequant_rows(PyObject *self, PyObject *args) {
+    PyObject *wo, *io, *oo;
+    int type;
+    long N, K;
+    if (!PyArg_ParseTuple(args, "OillOO", &wo, &type, &N, &K, &io, &oo)) return NULL;
+    Py_buffer w, ids, out;
+    if (get_buf(wo, &w, 'B', 0, "weights") < 0) return NULL;
+    if (get_buf(io, &ids, 'q', 0, "ids") < 0) {
+        PyBuffer_Release(&w);
+        return NULL;
+    }
+    if (get_buf(oo, &out, 'f', 1, "out") < 0) {
+        PyBuffer_Release(&ids);
+        PyBuffer_Release(&w);
+        return NULL;
+    }
+    long n = (long)(ids.len / 8);
+    int rc = -4;
+    if (check_weights(&w, type, N, K, "weights") == 0 && check_len(&out, (Py_ssize_t)n * K * 4, "out") == 0) {
+        Py_BEGIN_ALLOW_THREADS rc = op_dequant_rows(type, w.buf, N, K, ids.buf, n, out.buf);
+        Py_END_ALLOW_THREADS if (rc == -3) PyErr_SetString(PyExc_IndexError, "row id outside the matrix");
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&w);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* experts: a sequence of (gate, up, down, gtype, utype, dtype, gate_bias, up_bias, down_bias, tok, weight) */
+#define EX_BUFS 8
+static PyObject *py_moe(PyObject *self, PyObject *args) {
+    PyObject *seq, *xo, *oo;
+    long I, H;
+    int act = 0;
+    float alpha = 1.702f, limit = 7.0f;
+    if (!PyArg_ParseTuple(args, "OllOO|iff", &seq, &I, &H, &xo, &oo, &act, &alpha, &limit)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "experts must be a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t n_ex = PySequence_Fast_GET_SIZE(fast);
+    moe_expert *ex = calloc((size_t)n_ex + 1, sizeof(moe_expert));
+    Py_buffer *views = calloc((size_t)n_ex * EX_BUFS + 1, sizeof(Py_buffer));
+    Py_buffer x = {0}, out = {0};
+    PyObject *result = NULL;
+    if (!ex || !views) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (get_buf(xo, &x, 'f', 0, "x") < 0) goto done;
+    if (get_buf(oo, &out, 'f', 1, "out") < 0) goto done;
+    if (H <= 0 || I <= 0 || x.len % (H * 4) || check_len(&out, x.len, "out") < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "x: not a whole number of rows of H floats");
+        goto done;
+    }
+    long T = (long)(x.len / 4 / H);
+    for (Py_ssize_t e = 0; e < n_ex; e++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, e), *o[EX_BUFS];
+        moe_expert *m = &ex[e];
+        if (!PyArg_ParseTuple(item, "OOOiiiOOOOO", &o[0], &o[1], &o[2], &m->gtype, &m->utype, &m->dtype, &o[3],
+                              &o[4], &o[5], &o[6], &o[7]))
+            goto done;
+        Py_buffer *v = views + e * EX_BUFS;
+        static const char kinds[EX_BUFS] = {'B', 'B', 'B', 'f', 'f', 'f', 'i', 'f'};
+        static const char *names[EX_BUFS] = {"gate", "up", "down", "gate_bias", "up_bias", "down_bias", "tok",
+                                             "weight"};
+        for (int i = 0; i < EX_BUFS; i++)
+            if (o[i] != Py_None && get_buf(o[i], &v[i], kinds[i], 0, names[i]) < 0) goto done;
+        if (!v[0].buf || !v[1].buf || !v[2].buf || !v[6].buf || !v[7].buf) {
+            PyErr_SetString(PyExc_ValueError, "expert: gate, up, down, tok and weight are required");
+            goto done;
+        }
+        m->n = (int)(v[6].len / 4);
+        if (check_weights(&v[0], m->gtype, I, H, "gate") < 0 || check_weights(&v[1], m->utype, I, H, "up") < 0 ||
+            check_weights(&v[2], m->dtype, H, I, "down") < 0 || check_len(&v[7], (Py_ssize_t)m->n * 4, "weight") < 0 ||
+            (v[3].buf && check_len(&v[3], I * 4, "gate_bias") < 0) ||
+            (v[4].buf && check_len(&v[4], I * 4, "up_bias") < 0) ||
+            (v[5].buf && check_len(&v[5], H * 4, "down_bias") < 0))
+            goto done;
+        m->gate = v[0].buf, m->up = v[1].buf, m->down = v[2].buf;
+        m->gate_bias = v[3].buf, m->up_bias = v[4].buf, m->down_bias = v[5].buf;
+        m->tok = v[6].buf, m->weight = v[7].buf;
+        for (int j = 0; j < m->n; j++)
+            if (m->tok[j] < 0 || m->tok[j] >= T) {
+                PyErr_Format(PyExc_IndexError, "expert %zd: token row %d outside 0..%ld", e, m->tok[j], T - 1);
+                goto done;
+            }
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = op_moe(ex, (int)n_ex, I, H, x.buf, out.buf, act, alpha, limit);
+    Py_END_ALLOW_THREADS if (rc == -2) PyErr_NoMemory();
+    else if (rc) PyErr_SetString(PyExc_ValueError, "expert widths do not fill whole blocks");
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    if (views)
+        for (Py_ssize_t i = 0; i < n_ex * EX_BUFS; i++)
+            if (views[i].obj) PyBuffer_Release(&views[i]);
+    if (x.obj) PyBuffer_Release(&x);
+    if (out.obj) PyBuffer_Release(&out);
+    free(views);
+    free(ex);
+    Py_DECREF(fast);
+    return result;
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *args) {
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    int got;
+    Py_BEGIN_ALLOW_THREADS got = pool_set_threads(n);
+    Py_END_ALLOW_THREADS return PyLong_FromLong(got);
+}
+
+static PyObject *py_threads(PyObject *self, PyObject *noargs) { return PyLong_FromLong(pool_threads()); }
+
+static PyObject *py_use_simd(PyObject *self, PyObject *args) {
+    int want;
+    if (!PyArg_ParseTuple(args, "p", &want)) return NULL;
+    return PyBool_FromLong(dot_use_simd(want));
+}
+
+static PyObject *py_path(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(dot_path()); }
+
+static PyObject *py_row_bytes(PyObject *self, PyObject *args) {
+    int type;
+    long K;
+    if (!PyArg_ParseTuple(args, "il", &type, &K)) return NULL;
+    return PyLong_FromSize_t(row_bytes(type, K));
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS, "matmul(W, type, N, K, x, out, bias=None): out[T,N] = x[T,K] @ W.T (+bias)"},
+    {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(W, type, N, K, ids int64, out): out = W[ids]"},
+    {"moe", py_moe, METH_VARARGS, "moe(experts, I, H, x, out, act=0, alpha=1.702, limit=7): one layer's experts"},
+    {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n) -> threads in use (the caller included)"},
+    {"threads", py_threads, METH_NOARGS, "threads in use"},
+    {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},
+    {"path", py_path, METH_NOARGS, "the code path in use: avx2+fma+f16c or portable"},
+    {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(type, K): bytes of one stored row (0: not whole blocks)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", "s2moe CPU kernels on stored weight blocks", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__cpu(void) { return PyModule_Create(&module); }

@@ -1,0 +1,193 @@
+/* Matrix x small batch and the fused SwiGLU experts of one MoE layer, split over the thread pool. */
+#include "ops.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "dot.h"
+#include "pool.h"
+#include "quant.h"
+
+/* Below this many weight x token products a job runs on the calling thread: waking the pool
+ * costs more than it saves (routers, tiny test models). */
+#define PARALLEL_MIN_WORK (96L * 1024L)
+
+static void span(long n, int ith, int nth, long *a, long *b) {
+    *a = n * ith / nth;
+    *b = n * (ith + 1) / nth;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* matmul: y[T, N] = x[T, K] W[N, K]^T (+ bias)                                                    */
+
+typedef struct {
+    int type;
+    const uint8_t *W;
+    size_t rb;
+    long N, K;
+    int T;
+    const float *const *xs;
+    float *const *ys;
+    const float *bias;
+} matmul_job;
+
+static void matmul_part(void *p, int ith, int nth) {
+    const matmul_job *j = p;
+    long r0, r1;
+    span(j->N, ith, nth, &r0, &r1);
+    if (r0 >= r1) return;
+    rows_dot(j->type, j->W, j->rb, j->K, r0, r1, j->xs, j->ys, j->T);
+    if (j->bias)
+        for (int t = 0; t < j->T; t++)
+            for (long r = r0; r < r1; r++) j->ys[t][r] += j->bias[r];
+}
+
+int op_matmul(int type, const uint8_t *W, long N, long K, const float *x, int T, float *y, const float *bias) {
+    size_t rb = row_bytes(type, K);
+    if (!rb) return -1;
+    const float **xs = malloc(sizeof(float *) * (size_t)T);
+    float **ys = malloc(sizeof(float *) * (size_t)T);
+    if (!xs || !ys) {
+        free(xs);
+        free(ys);
+        return -2;
+    }
+    for (int t = 0; t < T; t++) {
+        xs[t] = x + (size_t)t * (size_t)K;
+        ys[t] = y + (size_t)t * (size_t)N;
+    }
+    matmul_job j = {type, W, rb, N, K, T, xs, ys, bias};
+    if (N * K * (long)T < PARALLEL_MIN_WORK || pool_threads() <= 1)
+        matmul_part(&j, 0, 1);
+    else
+        pool_run(matmul_part, &j);
+    free(xs);
+    free(ys);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* dequantise rows (embedding lookups)                                                            */
+
+int op_dequant_rows(int type, const uint8_t *W, long N, long K, const int64_t *ids, long n, float *out) {
+    size_t rb = row_bytes(type, K);
+    if (!rb) return -1;
+    for (long i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= N) return -3;
+        dequant_row(type, W + (size_t)ids[i] * rb, out + (size_t)i * (size_t)K, K);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* one MoE layer's routed experts                                                                 */
+
+typedef struct {
+    const moe_expert *ex;
+    int n_ex;
+    long I, H;
+    const float *x;
+    float *out;
+    int act;
+    float alpha, limit;
+    /* per expert: pointers into scratch */
+    const float ***x_rows;  /* [e][j] -> x[tok_j]   */
+    float ***g_rows;        /* [e][j] -> gate / act  */
+    float ***u_rows;        /* [e][j] -> up          */
+    float ***d_rows;        /* [e][j] -> down output */
+} moe_job;
+
+static inline float activate(const moe_job *m, float g, float u) {
+    if (m->act == MOE_ACT_SWIGLU_CLAMPED) {
+        if (g > m->limit) g = m->limit;
+        if (u > m->limit) u = m->limit;
+        if (u < -m->limit) u = -m->limit;
+        return (u + 1.0f) * g / (1.0f + expf(-m->alpha * g));
+    }
+    return g / (1.0f + expf(-g)) * u;
+}
+
+static void moe_part(void *p, int ith, int nth) {
+    const moe_job *m = p;
+    const long I = m->I, H = m->H;
+    /* phase 1: gate and up rows of every expert, as one flat row range, then the activation */
+    long a0, a1;
+    span((long)m->n_ex * I, ith, nth, &a0, &a1);
+    for (int e = 0; e < m->n_ex && a0 < a1; e++) {
+        long lo = (long)e * I, hi = lo + I;
+        if (a1 <= lo || a0 >= hi) continue;
+        const moe_expert *x = &m->ex[e];
+        long r0 = (a0 > lo ? a0 : lo) - lo, r1 = (a1 < hi ? a1 : hi) - lo;
+        rows_dot(x->gtype, x->gate, row_bytes(x->gtype, H), H, r0, r1, m->x_rows[e], m->g_rows[e], x->n);
+        rows_dot(x->utype, x->up, row_bytes(x->utype, H), H, r0, r1, m->x_rows[e], m->u_rows[e], x->n);
+        for (int j = 0; j < x->n; j++) {
+            float *g = m->g_rows[e][j], *u = m->u_rows[e][j];
+            for (long r = r0; r < r1; r++)
+                g[r] = activate(m, g[r] + (x->gate_bias ? x->gate_bias[r] : 0.0f),
+                                u[r] + (x->up_bias ? x->up_bias[r] : 0.0f));
+        }
+    }
+    pool_barrier(nth);
+    /* phase 2: down rows split by output row, so each thread owns its slice of out */
+    long r0, r1;
+    span(H, ith, nth, &r0, &r1);
+    if (r0 >= r1) return;
+    for (int e = 0; e < m->n_ex; e++) {
+        const moe_expert *x = &m->ex[e];
+        rows_dot(x->dtype, x->down, row_bytes(x->dtype, I), I, r0, r1, (const float *const *)m->g_rows[e],
+                 m->d_rows[e], x->n);
+        for (int j = 0; j < x->n; j++) {
+            float *o = m->out + (size_t)x->tok[j] * (size_t)H, *d = m->d_rows[e][j], w = x->weight[j];
+            for (long r = r0; r < r1; r++) o[r] += w * (d[r] + (x->down_bias ? x->down_bias[r] : 0.0f));
+        }
+    }
+}
+
+int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float *out, int act, float alpha,
+           float limit) {
+    long pairs = 0;
+    for (int e = 0; e < n_ex; e++) {
+        if (!row_bytes(ex[e].gtype, H) || !row_bytes(ex[e].utype, H) || !row_bytes(ex[e].dtype, I)) return -1;
+        pairs += ex[e].n;
+    }
+    /* scratch: gate/act [pairs, I], up [pairs, I], down out [pairs, H], and the row pointers */
+    float *scratch = malloc(sizeof(float) * (size_t)pairs * (size_t)(2 * I + H) + 1);
+    void **ptrs = malloc(sizeof(void *) * ((size_t)pairs * 4 + (size_t)n_ex * 4) + 1);
+    if (!scratch || !ptrs) {
+        free(scratch);
+        free(ptrs);
+        return -2;
+    }
+    moe_job m = {ex, n_ex, I, H, x, out, act, alpha, limit, NULL, NULL, NULL, NULL};
+    void **heads = ptrs, **rows = ptrs + (size_t)n_ex * 4;
+    m.x_rows = (const float ***)heads;
+    m.g_rows = (float ***)(heads + n_ex);
+    m.u_rows = (float ***)(heads + 2 * n_ex);
+    m.d_rows = (float ***)(heads + 3 * n_ex);
+    float *g = scratch, *u = scratch + (size_t)pairs * I, *d = scratch + (size_t)pairs * 2 * I;
+    for (int e = 0; e < n_ex; e++) {
+        int n = ex[e].n;
+        m.x_rows[e] = (const float **)rows;
+        m.g_rows[e] = (float **)(rows + n);
+        m.u_rows[e] = (float **)(rows + 2 * n);
+        m.d_rows[e] = (float **)(rows + 3 * n);
+        for (int j = 0; j < n; j++) {
+            m.x_rows[e][j] = x + (size_t)ex[e].tok[j] * (size_t)H;
+            m.g_rows[e][j] = g;
+            m.u_rows[e][j] = u;
+            m.d_rows[e][j] = d;
+            g += I;
+            u += I;
+            d += H;
+        }
+        rows += 4 * (size_t)n;
+    }
+    long work = 3 * pairs * I * H;
+    if (work < PARALLEL_MIN_WORK || pool_threads() <= 1)
+        moe_part(&m, 0, 1);
+    else
+        pool_run(moe_part, &m);
+    free(scratch);
+    free(ptrs);
+    return 0;
+}

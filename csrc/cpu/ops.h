@@ -1,0 +1,28 @@
+/* Operations the Python seam calls (runtime/kernels/cpu.py); each returns 0 or a negative error. */
+#ifndef S2MOE_OPS_H
+#define S2MOE_OPS_H
+
+#include <stdint.h>
+
+enum { MOE_ACT_SWIGLU = 0, MOE_ACT_SWIGLU_CLAMPED = 1 };
+
+/* One routed expert of a layer and the tokens sent to it. */
+typedef struct {
+    int gtype, utype, dtype;
+    const uint8_t *gate, *up, *down;       /* [I, H], [I, H], [H, I] stored rows */
+    const float *gate_bias, *up_bias, *down_bias; /* NULL when absent */
+    const int32_t *tok;                    /* token rows of x, n of them */
+    const float *weight;                   /* mixture weight per token */
+    int n;
+} moe_expert;
+
+/* y[T, N] = x[T, K] W^T (+ bias[N]); -1: K does not fill whole blocks; -2: out of memory. */
+int op_matmul(int type, const uint8_t *W, long N, long K, const float *x, int T, float *y, const float *bias);
+/* out[n, K] = W[ids] decoded; -3: an id outside 0..N-1. */
+int op_dequant_rows(int type, const uint8_t *W, long N, long K, const int64_t *ids, long n, float *out);
+/* out[tok] += weight * down(act(gate x + gb, up x + ub)) + db, for every expert; threads split the
+ * gate/up rows of all experts, then the output rows (each thread owns a slice of out). */
+int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float *out, int act, float alpha,
+           float limit);
+
+#endif

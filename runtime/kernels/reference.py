@@ -1,0 +1,81 @@
+"""The NumPy reference kernels: what every compiled kernel is tested against, and the fallback
+when the extension is missing.
+
+A stored matrix is decoded a few MiB of rows at a time (bounded scratch, so the memory plan holds on
+this path too) and multiplied with BLAS; float32 arrays go straight to BLAS.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .stored import StoredMatrix
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    from .backend import xp_of
+
+    xp = xp_of(x)
+    with np.errstate(over="ignore"):  # exp(-x) → inf for very negative x gives the right limit, -0
+        return x / (1.0 + xp.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    from .backend import xp_of
+
+    xp = xp_of(x)
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + xp.exp(-x))
+
+
+def activate(gate, up, act):
+    """SwiGLU, or GPT-OSS's clamped variant (``act`` = `ExpertAct`)."""
+    if act.kind == "swiglu_clamped":
+        from .backend import xp_of
+
+        xp = xp_of(gate)
+        gate = xp.minimum(gate, act.limit)
+        up = xp.clip(up, -act.limit, act.limit)
+        return (up + 1.0) * gate * sigmoid(act.alpha * gate)
+    return silu(gate) * up
+
+
+def _plus(y, bias):
+    return y if bias is None else y + bias
+
+
+class ReferenceOps:
+    """The seam's NumPy implementation (also serves device arrays: `x @ W.T` on CuPy)."""
+
+    name = "numpy"
+
+    def __init__(self, reason: str = "requested"):
+        self.reason = reason
+
+    def linear(self, x: np.ndarray, W, bias=None) -> np.ndarray:
+        """x [T, K] @ W.T → [T, N] (+ bias)."""
+        if not isinstance(W, StoredMatrix):
+            return _plus(x @ W.T, bias)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if W.dtype == "F32":
+            return _plus(x @ W.data.view(np.float32).reshape(W.shape).T, bias)
+        y = np.empty((x.shape[0], W.shape[0]), dtype=np.float32)
+        for rows, w in W.chunks():
+            y[:, rows] = x @ w.T
+        return _plus(y, bias)
+
+    def embed(self, W, ids: np.ndarray) -> np.ndarray:
+        if not isinstance(W, StoredMatrix):
+            return W[ids]
+        return W.dequantize(np.asarray(ids, dtype=np.int64))
+
+    def expert(self, x: np.ndarray, w, act) -> np.ndarray:
+        """One expert on its tokens: act(x Wg + bg, x Wu + bu) Wd + bd."""
+        gate, up = self.linear(x, w.gate, w.gate_bias), self.linear(x, w.up, w.up_bias)
+        return self.linear(activate(gate, up, act), w.down, w.down_bias)
+
+    def experts(self, x: np.ndarray, groups, act, out: np.ndarray) -> np.ndarray:
+        """out[rows] += weights · expert(x[rows]) for each (weights, rows, mixture weights) group."""
+        for w, rows, mix in groups:
+            out[rows] += mix[:, None] * self.expert(x[rows], w, act)
+        return out

@@ -1,0 +1,152 @@
+"""Reads byte ranges of model files without leaving them in the page cache.
+
+`O_DIRECT` where the file system allows it: the request goes from the device straight into a
+page-aligned buffer of ours, which the caller keeps (zero copy). The range's first byte is placed at
+its offset within the page, so a kept range costs its bytes rounded out to whole pages (at most
+8 KiB more; nothing more when the file aligns its tensors to pages, as `s2moe convert` does). Where
+O_DIRECT is refused (tmpfs, some overlay file systems) we read buffered into an exact buffer and drop
+the file's pages afterwards with ``posix_fadvise(DONTNEED)``, and say so once.
+
+Nothing here maps a model file: the only mappings are anonymous buffers, released when the last
+array viewing them goes away.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+
+import numpy as np
+
+from ..errors import ExpertReadError
+
+ALIGN = 4096  # O_DIRECT needs offset, length and buffer aligned to the logical block size (≤ 4 KiB)
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"note: {message}", file=sys.stderr)
+
+
+def reset_warnings() -> None:
+    """Forget which notes were printed (tests: no state leaks from one test into the next)."""
+    _WARNED.clear()
+
+
+# Ranges this close are read as one request (a GGUF's alignment padding between an expert's
+# tensors); a wider gap would be read and then kept resident with the expert, so it splits.
+_MAX_GAP = 256
+
+
+def coalesce(refs):
+    """Merge byte ranges that lie next to each other in one file into single reads (per-expert
+    checkpoints store gate/up/down of an expert back to back): [(span ref, [(index, ref), ...])]."""
+    from ..model.formats.tensors import TensorRef
+
+    order = sorted(enumerate(refs), key=lambda item: (item[1].path, item[1].offset))
+    spans: list = []
+    for i, ref in order:
+        if spans:
+            span, members = spans[-1]
+            end = span.offset + span.nbytes
+            if ref.path == span.path and 0 <= ref.offset - end <= _MAX_GAP:
+                new_end = max(end, ref.offset + ref.nbytes)
+                spans[-1] = (TensorRef(span.path, span.name, span.offset, new_end - span.offset, "U8",
+                                       (new_end - span.offset,)), members + [(i, ref)])
+                continue
+        spans.append((TensorRef(ref.path, ref.name, ref.offset, ref.nbytes, "U8", (ref.nbytes,)), [(i, ref)]))
+    return spans
+
+
+def span_cost(offset: int, nbytes: int, direct: bool) -> int:
+    """Bytes of memory a kept range costs: whole pages around it under O_DIRECT, else exact."""
+    if not direct:
+        return nbytes
+    head = offset % ALIGN
+    return -(-(head + nbytes) // ALIGN) * ALIGN
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 array of ``nbytes`` (rounded up to pages), backed by an anonymous map."""
+    size = max(-(-nbytes // ALIGN) * ALIGN, ALIGN)
+    return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+
+
+class FileReader:
+    """Thread-safe reads of (path, offset, nbytes) ranges, O_DIRECT where allowed."""
+
+    def __init__(self, direct: bool = True):
+        self.want_direct = direct
+        self.direct_files: dict[str, bool] = {}
+        self._fds: dict[str, int] = {}
+        self._identity: dict[str, tuple[int, int]] = {}  # (size, mtime) when opened
+        self._lock = threading.Lock()
+
+    def fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is not None:
+            return fd
+        with self._lock:
+            if path in self._fds:
+                return self._fds[path]
+            direct = False
+            if self.want_direct and hasattr(os, "O_DIRECT"):
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                    direct = True
+                except OSError:
+                    warn_once(f"{path}: O_DIRECT refused by this file system; reading buffered and "
+                              "dropping pages with posix_fadvise(DONTNEED) instead")
+            if not direct:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as exc:
+                    raise ExpertReadError(f"{path}: cannot open for reading ({exc.strerror})") from None
+            self.direct_files[path] = direct
+            st = os.fstat(fd)
+            self._identity[path] = (st.st_size, st.st_mtime_ns)
+            self._fds[path] = fd
+            return fd
+
+    def is_direct(self, path: str) -> bool:
+        self.fd(path)
+        return self.direct_files[path]
+
+    def read(self, path: str, offset: int, nbytes: int, where: str) -> np.ndarray:
+        """The bytes as a uint8 array that owns (a view of) its own buffer: keep it, no copy."""
+        fd = self.fd(path)
+        try:
+            if self.direct_files[path]:
+                head = offset % ALIGN
+                buf = aligned_empty(head + nbytes)
+                got = os.preadv(fd, [memoryview(buf)], offset - head)
+                if got < head + nbytes:
+                    raise ExpertReadError(f"{path}: short read of {where} ({max(got - head, 0)} of {nbytes} "
+                                          "bytes); was the file truncated or replaced?")
+                return buf[head: head + nbytes]
+            data = os.pread(fd, nbytes, offset)  # the bytes object is the buffer: no copy
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            raise ExpertReadError(f"{path}: reading {where} failed ({exc.strerror or exc})") from None
+        if len(data) != nbytes:
+            raise ExpertReadError(f"{path}: short read of {where} ({len(data)} of {nbytes} bytes); "
+                                  "was the file truncated or replaced?")
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def check_unchanged(self, path: str, where: str) -> None:
+        """A file rewritten in place under us would silently change the weights: refuse instead."""
+        st = os.fstat(self._fds[path])
+        if (st.st_size, st.st_mtime_ns) != self._identity[path]:
+            raise ExpertReadError(f"{path}: the model file changed while running (size or mtime differs) while "
+                                  f"reading {where}; restart with the new file")
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

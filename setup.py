@@ -1,0 +1,45 @@
+"""Build the CPU kernels (csrc/cpu) as the CPython extension s2moe._cpu; everything else is in
+pyproject.toml. Plain setuptools `Extension`: the build needs only a C compiler and Python's headers
+(no NumPy headers, CMake or extra build dependency), and `pip install -e .` builds it in place.
+
+SIMD code is compiled per function (`target("avx2,fma,f16c")`) and chosen at run time, so one
+build runs on any x86-64 CPU; other CPUs (aarch64: Jetson) get the portable path. A failed build
+is not fatal: s2moe then runs on the NumPy reference path and says so once.
+"""
+
+import os
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+SOURCES = [os.path.join("csrc", "cpu", f) for f in ("module.c", "ops.c", "dot.c", "pool.c")]
+
+
+class OptionalBuildExt(build_ext):
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # no compiler: the runtime falls back to NumPy
+            print(f"warning: the s2moe CPU kernels were not built ({exc}); s2moe will use NumPy", file=sys.stderr)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            print(f"warning: building {ext.name} failed ({exc}); s2moe will use NumPy", file=sys.stderr)
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "s2moe._cpu",
+            sources=SOURCES,
+            depends=[os.path.join("csrc", "cpu", f) for f in ("dot.h", "ops.h", "pool.h", "quant.h")],
+            extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-Wall", "-Wno-unknown-pragmas"],
+            extra_link_args=["-pthread"],
+            libraries=["m"],
+        )
+    ],
+    cmdclass={"build_ext": OptionalBuildExt},
+)

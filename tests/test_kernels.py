@@ -1,0 +1,221 @@
+"""The compiled CPU kernels (csrc/cpu, `s2moe._cpu`) against the NumPy reference path.
+
+The reference decodes stored blocks with `gguf.quants` (llama.cpp's own Python reference) and
+multiplies with BLAS; the kernels dequantise in registers. Both paths accumulate float32, so the
+measured relative error is ≤ 1e-6 for every type (the issue asks ≤ 1e-3); 1e-5 keeps 10× headroom
+and still fails on any wrong block layout or scale (those move results by 1e-2 or more).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from s2moe.runtime.kernels import ExpertAct, cpu, select_ops
+from s2moe.runtime.kernels.reference import ReferenceOps
+from s2moe.runtime.kernels.stored import BLOCKS, StoredMatrix
+from s2moe.runtime.offload.experts import ExpertWeights
+
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "MXFP4")
+REL = 1e-5
+
+
+def test_the_extension_is_built():
+    # CI builds from a fresh clone: a silently missing extension would leave the kernels untested
+    assert cpu.available(), f"the CPU kernels did not build or import: {cpu.IMPORT_ERROR}"
+
+
+def random_q4k(rng, rows: int, cols: int) -> np.ndarray:
+    """Valid Q4_K bytes: per 256 values d, dmin (f16), 12 scale bytes, 128 nibble bytes."""
+    blocks = rows * cols // 256
+    raw = rng.integers(0, 256, (blocks, 144), dtype=np.uint8)
+    scales = np.stack([rng.uniform(0.001, 0.01, blocks), rng.uniform(0.0, 0.01, blocks)], -1).astype(np.float16)
+    raw[:, :4] = scales.view(np.uint8).reshape(blocks, 4)
+    return raw.reshape(-1)
+
+
+def random_matrix(rng, dtype: str, rows: int, cols: int) -> StoredMatrix:
+    if dtype == "Q4_K":
+        return StoredMatrix(random_q4k(rng, rows, cols), "Q4_K", (rows, cols))
+    return StoredMatrix.from_float(rng.standard_normal((rows, cols)).astype(np.float32) / np.sqrt(cols), dtype)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+@pytest.fixture(params=["simd", "portable"])
+def ops(request):
+    from s2moe import _cpu
+
+    want = request.param == "simd"
+    if want and not _cpu.use_simd(True):
+        pytest.skip("this CPU has no AVX2+FMA+F16C: only the portable path exists here")
+    _cpu.use_simd(want)
+    yield cpu.CpuOps(threads=2)
+    _cpu.use_simd(True)
+
+
+@pytest.mark.parametrize("dtype", TYPES)
+def test_linear_matches_the_reference_for_every_type(ops, dtype, rng):
+    ref = ReferenceOps()
+    values = BLOCKS[dtype][0]
+    cols = max(256, values)  # rows of whole blocks (Q4_K: 256)
+    for rows, K in ((64, cols), (300, 2 * cols), (17, 3 * cols)):
+        W = random_matrix(rng, dtype, rows, K)
+        for T in (1, 2, 3, 4, 5, 9, 16, 17):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            bias = rng.standard_normal(rows).astype(np.float32)
+            from s2moe import _cpu
+
+            got = np.empty((T, rows), np.float32)
+            _cpu.matmul(W.data, W.type_id, rows, K, x, got, bias)  # the kernel itself (F32 included)
+            assert rel_err(got, ref.linear(x, W, bias)) <= REL, (dtype, rows, K, T)
+            assert rel_err(ops.linear(x, W), ref.linear(x, W)) <= REL, (dtype, rows, K, T)
+
+
+def test_plain_types_take_rows_that_are_not_whole_simd_groups(ops, rng):
+    ref = ReferenceOps()
+    for dtype in ("F32", "F16", "BF16"):
+        W = random_matrix(rng, dtype, 40, 75)  # 75 = 2 groups of 32 + a tail of 11
+        x = rng.standard_normal((3, 75)).astype(np.float32)
+        from s2moe import _cpu
+
+        got = np.empty((3, 40), np.float32)
+        _cpu.matmul(W.data, W.type_id, 40, 75, x, got)
+        assert rel_err(got, ref.linear(x, W)) <= REL, dtype
+
+
+@pytest.mark.parametrize("dtype", TYPES)
+def test_embedding_rows_decode_exactly(ops, dtype, rng):
+    W = random_matrix(rng, dtype, 50, 256)
+    ids = np.array([0, 7, 49, 7])
+    np.testing.assert_array_equal(ops.embed(W, ids), ReferenceOps().embed(W, ids))
+
+
+def _experts(rng, dtype, n, I, H, biases=False):
+    out = []
+    for _ in range(n):
+        b = (lambda k: rng.standard_normal(k).astype(np.float32)) if biases else (lambda k: None)
+        out.append(ExpertWeights(random_matrix(rng, dtype, I, H), random_matrix(rng, dtype, I, H),
+                                 random_matrix(rng, dtype, H, I), b(I), b(I), b(H)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "MXFP4"))
+@pytest.mark.parametrize("act", (ExpertAct(), ExpertAct("swiglu_clamped", 1.702, 7.0)))
+def test_fused_experts_match_the_reference(ops, dtype, act, rng):
+    """One layer's experts in one call: tokens shared between experts, uneven groups, biases."""
+    I, H, T = 256, 512, 9
+    experts = _experts(rng, dtype, 5, I, H, biases=act.kind == "swiglu_clamped")
+    x = (rng.standard_normal((T, H)) * 3).astype(np.float32)  # large enough to hit the clamp
+    rows = [np.array(r, dtype=np.int32) for r in ([0, 3, 8], [1], [0, 1, 2, 4, 5, 6, 7], [8, 2], [5])]
+    groups = [(w, r, rng.random(r.size).astype(np.float32)) for w, r in zip(experts, rows)]
+    base = rng.standard_normal((T, H)).astype(np.float32)  # the call accumulates into out
+    got = ops.experts(x, groups, act, base.copy())
+    want = ReferenceOps().experts(x, groups, act, base.copy())
+    assert rel_err(got, want) <= REL
+
+
+def test_bad_calls_raise_instead_of_reading_out_of_bounds(rng):
+    from s2moe import _cpu
+
+    W = random_matrix(rng, "Q8_0", 8, 64)
+    x = np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="weights"):
+        _cpu.matmul(W.data[:-1], W.type_id, 8, 64, x, np.empty((2, 8), np.float32))
+    with pytest.raises(ValueError, match="cannot hold rows"):
+        _cpu.matmul(W.data, W.type_id, 8, 48, x, np.empty((2, 8), np.float32))  # 48: not whole blocks
+    with pytest.raises(ValueError, match="out"):
+        _cpu.matmul(W.data, W.type_id, 8, 64, x, np.empty((3, 8), np.float32))
+    with pytest.raises(ValueError, match="element type"):
+        _cpu.matmul(W.data, W.type_id, 8, 64, x.astype(np.float64), np.empty((2, 8), np.float32))
+    w = _experts(rng, "F16", 1, 32, 64)[0]
+    item = (w.gate.data, w.up.data, w.down.data, 1, 1, 1, None, None, None, np.array([5], np.int32),
+            np.ones(1, np.float32))
+    with pytest.raises(IndexError, match="token row 5"):
+        _cpu.moe([item], 32, 64, x, np.zeros_like(x))
+
+
+def test_concurrent_callers_and_pool_resizes_give_correct_results(rng):
+    """Kernels release the GIL: several Python threads call in at once while the pool is resized
+    between rounds. (A lost wake-up here once hung `s2moe run`; wrong sharing gave wrong sums.)"""
+    from s2moe import _cpu
+
+    W = random_matrix(rng, "F16", 512, 512)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    want = ReferenceOps().linear(x, W)
+    bad = []
+
+    def work():
+        for _ in range(25):
+            y = np.empty((3, 512), np.float32)
+            _cpu.matmul(W.data, W.type_id, 512, 512, x, y)
+            if rel_err(y, want) > REL:
+                bad.append(1)
+
+    try:
+        for round_ in range(30):
+            _cpu.set_threads(1 + round_ % 3)
+            threads = [threading.Thread(target=work) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert not any(t.is_alive() for t in threads), "a kernel call never returned"
+    finally:
+        _cpu.set_threads(cpu.default_threads())
+    assert not bad
+
+
+def test_select_ops_names_its_choice(monkeypatch):
+    assert select_ops("numpy").name == "numpy"
+    assert select_ops("cpu").name == "cpu"
+    monkeypatch.setattr(cpu, "_cpu", None)
+    monkeypatch.setattr(cpu, "IMPORT_ERROR", "No module named 's2moe._cpu'")
+    fallback = select_ops("auto")
+    assert fallback.name == "numpy" and "compiled CPU kernels are missing" in fallback.reason
+
+
+@pytest.fixture(scope="module")
+def default_q8_gguf(tmp_path_factory):
+    from s2moe.runtime.cli.common import DEFAULT_MODEL
+    from s2moe.runtime.model.formats.gguf_writer import write_gguf
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.offload.store import ExpertStore
+
+    loaded = load_model(str(DEFAULT_MODEL))
+    path = str(tmp_path_factory.mktemp("q8") / "default-q8_0.gguf")
+    write_gguf(loaded, path, ExpertStore(loaded, direct=False).read, "Q8_0")
+    return path
+
+
+@pytest.mark.parametrize("which", ["F16 safetensors", "Q8_0 gguf"])
+def test_model_on_kernels_matches_the_numpy_reference(which, default_q8_gguf):
+    """The embedded model (F16) and its Q8_0 export: logits of a prefill and of decode steps within
+    1e-3 of the reference path (measured 1.1e-6 relative), and the same greedy tokens."""
+    from s2moe.runtime.cli.common import DEFAULT_MODEL
+    from s2moe.runtime.decoding.generate import generate_ar
+    from s2moe.runtime.model.forward import MoEModel
+    from s2moe.runtime.model.loader import load_model
+
+    loaded = load_model(str(DEFAULT_MODEL) if which.startswith("F16") else default_q8_gguf)
+    kinds = {"dense": {loaded.dense["layers.0.q"].dtype}, "experts": {loaded.experts[0, 0].gate.dtype}}
+    assert kinds == ({"dense": {"F16"}, "experts": {"F16"}} if which.startswith("F16")
+                     else {"dense": {"Q8_0"}, "experts": {"Q8_0"}})
+    ids = list(range(300, 340))
+    fast, slow = MoEModel(loaded, ops=cpu.CpuOps()), MoEModel(loaded, ops=ReferenceOps())
+    for model in (fast, slow):
+        model.kv = model.new_cache(64)
+    a, _ = fast.forward(ids, fast.kv, logits="all")
+    b, _ = slow.forward(ids, slow.kv, logits="all")
+    assert rel_err(a, b) <= 1e-3
+    for t in (5, 9, 11):
+        a, _ = fast.forward([t], fast.kv)
+        b, _ = slow.forward([t], slow.kv)
+        assert rel_err(a, b) <= 1e-3
+    greedy = [generate_ar(m, ids[:12], 32).tokens for m in (MoEModel(loaded, ops=cpu.CpuOps()),
+                                                            MoEModel(loaded, ops=ReferenceOps()))]
+    assert greedy[0] == greedy[1]
