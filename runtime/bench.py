@@ -81,11 +81,13 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                 progress(name)
         fetched = phase_bytes(engine.cache.report()) - before
         engine.close()
+        emulation = engine.emulation.describe() if engine.emulation.active else None
+        engine = decoder = None  # the next method's engine loads its experts into freed memory
         throughput[name] = tokens / seconds if seconds else 0.0
         records.append(Record(
             "bench", name, "tok/s", samples,
             params={"method": name, "workload": path.name, "budget": budget or "1.0", "n_prompts": len(ids),
-                    "emulation": engine.emulation.describe() if engine.emulation.active else None,
+                    "emulation": emulation,
                     "max_tokens": max_tokens, "draft_topk": settings.draft_topk, "draft_cap": settings.draft_cap,
                     "temperature": params.temperature},
             extra={"acceptance_length": statistics.mean(a for a in acc if a is not None),

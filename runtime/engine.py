@@ -6,7 +6,8 @@ import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from .offload.memory import Budget, MemoryPlan, fmt_bytes, plan_memory
+from .kernels import select_ops
+from .offload.memory import Budget, MemoryPlan, fmt_bytes, measured_peak, plan_memory, release_freed_memory_promptly
 from .kernels.backend import NUMPY, Backend
 from .offload.cache import DEFAULT_POLICY, ExpertCache
 from .errors import UsageError
@@ -28,7 +29,11 @@ class Engine:
         return self.cache.in_phase(name)
 
     def report(self) -> dict:
-        r = {"budget": self.budget.describe(), "memory": self.plan.to_dict(), "cache": self.cache.report()}
+        r = {"budget": self.budget.describe(), "memory": self.plan.to_dict(), "cache": self.cache.report(),
+             "measured": measured_peak(),
+             "kernels": {"name": self.model.ops.name, "reason": self.model.ops.reason,
+                         "path": getattr(self.model.ops, "path", "numpy"),
+                         "threads": getattr(self.model.ops, "threads", 1)}}
         r["direct_io"] = all(self.cache.store.direct_files.values()) if self.cache.store.direct_files else None
         r["offload_tier"] = getattr(self.cache.store, "tier", "file")
         if self.emulation.active:
@@ -93,19 +98,36 @@ def build_engine(
     fetch_threads: int | None = None,
     backend: Backend = NUMPY,
     offload_tier: str = "file",
+    expert_budget: str | None = None,
+    kernels: str = "auto",
+    threads: int | None = None,
+    batch: int | None = None,
+    preload: bool = False,
 ) -> Engine:
     """``offload_tier``: "file" reads missing experts from the model file (Orin: SSD → pinned →
-    device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device)."""
-    loaded = loaded or load_model(model_path)
+    device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device).
+
+    The memory plan is made before the dense part is read (``loaded`` may come without it:
+    `load_model(path, dense=False)`), so a budget too small for it fails in one line first.
+    ``preload``: when every expert fits, read them all now (the CLI's runs start warm)."""
+    loaded = loaded or load_model(model_path, dense=False)
     parsed = Budget.parse(budget)
-    plan = plan_memory(loaded, parsed, kv_positions)
+    experts_only = Budget.parse(expert_budget, "--expert-budget") if expert_budget is not None else None
     if emulate_bandwidth is not None and emulate_bandwidth <= 0:
         raise UsageError(f"--emulate-bandwidth must be positive MB/s (got {emulate_bandwidth})")
     if emulate_latency < 0:
         raise UsageError(f"--emulate-latency must be >= 0 µs (got {emulate_latency})")
-    emulation = Emulation(emulate_bandwidth, emulate_latency)
     if offload_tier not in OFFLOAD_TIERS:
         raise UsageError(f"--offload-tier {offload_tier!r}: choose from {', '.join(OFFLOAD_TIERS)}")
+    ops = select_ops(kernels, threads, backend)
+    # the fast tier lives where the math runs: on a device its experts are float32 (for now)
+    size_of = (lambda refs: refs.float32_bytes) if backend.on_device else (lambda refs: refs.resident_bytes_for(direct_io))
+    window = 4
+    plan = plan_memory(loaded, parsed, kv_positions, experts_only, batch=batch, window=window,
+                       reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io)
+    release_freed_memory_promptly()
+    loaded.load_dense(direct_io)
+    emulation = Emulation(emulate_bandwidth, emulate_latency)
     store = ExpertStore(loaded, direct=direct_io, emulation=emulation,
                         **({"threads": fetch_threads} if fetch_threads else {}))
     if offload_tier == "host":
@@ -114,14 +136,25 @@ def build_engine(
         store = HostTier(store, backend)
     full = plan.expert_capacity >= plan.expert_total
     hot = read_hot_experts(hot_experts, loaded) if isinstance(hot_experts, str) else list(hot_experts or [])
-    size = lambda key: loaded.experts[key].resident_bytes  # noqa: E731
+    size = lambda key: size_of(loaded.experts[key])  # noqa: E731
     if hot and sum(map(size, hot)) > plan.expert_capacity:
         where = hot_experts if isinstance(hot_experts, str) else "hot experts"
         raise UsageError(f"{where}: {len(hot)} hot experts need {fmt_bytes(sum(map(size, hot)))}, the budget leaves "
                          f"{fmt_bytes(plan.expert_capacity)} for experts; shorten the list or raise --budget")
-    # the fast tier lives where the math runs: device memory on CuPy, same byte budget
-    cache = ExpertCache(store, None if full else plan.expert_capacity, policy, hot, size, place=backend.upload_expert)
-    return Engine(loaded, MoEModel(loaded, cache, backend), cache, plan, parsed, emulation)
+    cache = ExpertCache(store, None if full else plan.expert_capacity, policy, hot, size, place=backend.upload_expert,
+                        window=window)
+    if preload and full:
+        _preload(cache, sorted(loaded.experts))
+    return Engine(loaded, MoEModel(loaded, cache, backend, ops), cache, plan, parsed, emulation)
+
+
+def _preload(cache: ExpertCache, keys: list) -> None:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("loading experts", total=len(keys))
+        cache.preload(keys, lambda n: progress.advance(task, n))
 
 
 def phase_of(model: MoEModel, name: str):

@@ -14,7 +14,10 @@ def bench(
     workload: str = typer.Option("default", "--workload", "-w", help="JSONL file, 'default', or humaneval / gsm8k / mt-bench / specbench."),
     methods: str = typer.Option("ar,es,confidence,cascade,s2moe", "--methods", help="Comma-separated method names."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="HF folder or .gguf file (default: the embedded model)."),
-    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget (16g, 512m, 0.25, bytes). Default: full."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget for the model (16g, 512m, 0.25 = a share of the experts, bytes). Default: full."),
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Memory for resident experts only (same forms)."),
+    kernels: str = typer.Option("auto", "--kernels", help="auto, cpu (compiled) or numpy (reference)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads (default: available cores)."),
     n_prompts: int = typer.Option(8, "--n-prompts", min=1, help="Prompts taken from the start of the workload."),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=2, help="Tokens per prompt (EOS ignored, as in the paper's runs)."),
     draft_topk: Optional[str] = typer.Option(None, "--draft-topk", help="Draft experts per token: K or K,LAYER:K,…"),
@@ -54,7 +57,7 @@ def bench(
 
         arrays = select_backend(backend)
         err.print(f"[dim]backend {arrays.name} ({arrays.reason})[/dim]")
-        loaded = load_model(resolve_model(model))
+        loaded = load_model(resolve_model(model), dense=False)
         tok = load_tokenizer(loaded)
         chosen = apply_profile(profile, loaded, budget, None)
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
@@ -66,7 +69,9 @@ def bench(
             records = run_bench(loaded, tok, workload, names, chosen.budget, n_prompts, max_tokens, settings, costs,
                                 params, hot=chosen.hot_experts,
                                 engine_kw={"emulate_bandwidth": emulate_bandwidth, "emulate_latency": emulate_latency,
-                                           "backend": arrays, "offload_tier": offload_tier},
+                                           "backend": arrays, "offload_tier": offload_tier,
+                                           "expert_budget": expert_budget, "kernels": kernels, "threads": threads,
+                                           "preload": True},
                                 progress=lambda name: progress.update(task, advance=1, description=name),
                                 estimate=estimate_costs)
         emulated = records[0].params.get("emulation")

@@ -33,7 +33,7 @@ def _attention(c) -> str:
 def describe(loaded) -> dict:
     c = loaded.config
     any_expert = next(iter(loaded.experts.values()))
-    shared = sum(a.nbytes for k, a in loaded.dense.items() if k.split(".")[-1].startswith("shared_"))
+    shared = sum(s.resident_bytes() for k, s in loaded.dense_specs.items() if k.split(".")[-1].startswith("shared_"))
     return {
         "path": loaded.path,
         "format": loaded.format,
@@ -61,7 +61,9 @@ def describe(loaded) -> dict:
         "shared_expert_intermediate_size": c.shared_expert_intermediate_size,
         "shared_expert_bytes_resident": shared,  # part of the dense bytes: never offloaded
         "kv_bytes_per_position": c.kv_floats_per_position * 4,
+        "dense_bytes_stored": loaded.dense_stored_bytes,
         "dense_bytes_resident": loaded.dense_bytes,
+        "context_length": c.max_position_embeddings,
         "total_bytes_resident": loaded.dense_bytes + loaded.expert_resident_bytes,
     }
 
@@ -74,15 +76,33 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def memory_plan(loaded, budget, expert_budget, positions: int, kernels: str = "auto") -> dict:
+    """The plan a run with these settings would make (nothing is loaded to make it)."""
+    from ..kernels import select_ops
+    from ..offload.memory import Budget, plan_memory
+
+    ops = select_ops(kernels)
+    plan = plan_memory(loaded, Budget.parse(budget),
+                       positions, Budget.parse(expert_budget, "--expert-budget") if expert_budget else None,
+                       reference_kernels=ops.name == "numpy")
+    return {"budget": budget or "full", "kv_positions": positions, "kernels": ops.name, **plan.to_dict()}
+
+
 def info(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="HF folder or .gguf file (default: the embedded model)."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Show the memory plan for this budget (16g, 512m, 0.25)."),
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="… and this expert budget."),
+    ctx: Optional[int] = typer.Option(None, "--ctx-size", min=1, help="KV positions to plan for (default: the model's context, at most 4096)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
-    """Show a model's architecture, layer/expert counts and byte sizes."""
+    """Show a model's architecture, layer/expert counts, byte sizes and memory plan."""
     with cli_errors():
         from ..model.loader import load_model
 
-        facts = describe(load_model(resolve_model(model)))
+        loaded = load_model(resolve_model(model), dense=False)  # sizes come from the index: nothing read
+        facts = describe(loaded)
+        positions = ctx or min(loaded.config.max_position_embeddings or 4096, 4096)
+        facts["memory_plan"] = memory_plan(loaded, budget, expert_budget, positions)
         if json_out:
             print_json(facts)
             return
@@ -90,6 +110,15 @@ def info(
         table.add_column("field", style="bold")
         table.add_column("value")
         for key, value in facts.items():
+            if isinstance(value, dict):
+                continue
             shown = _fmt_bytes(value) + f" ({value:,})" if "bytes" in key and value is not None else str(value)
             table.add_row(key, shown)
+        plan = facts["memory_plan"]
+        for key, value in plan.items():
+            if key == "workspace":
+                value = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in value.items() if v)
+            elif "bytes" in key:
+                value = _fmt_bytes(value) + f" ({value:,})"
+            table.add_row("plan." + key, str(value))
         out.print(table)

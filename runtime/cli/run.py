@@ -31,7 +31,10 @@ def run(
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p × the top probability."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
-    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget: 16g, 512m, 0.25 (share of expert bytes), or bytes. Default: everything resident."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget for the model (dense + experts + KV + workspace): 16g, 512m, or a share of the experts (0.25) on top of the rest. Default: everything resident."),
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Memory for resident experts only (same forms as --budget)."),
+    kernels: str = typer.Option("auto", "--kernels", help="auto (compiled CPU kernels when built), cpu, or numpy (the reference path)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads (default: the cores this process may use)."),
     hot_experts: Optional[str] = typer.Option(None, "--hot-experts", help='Pinned experts, JSON {"gpu_experts": [[layer, expert], ...]}.'),
     cache_policy: str = typer.Option("lfu", "--cache-policy", help="Replacement policy for non-pinned experts: lfu or lru."),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulate a slow tier of this many MB/s (what-if runs)."),
@@ -53,7 +56,7 @@ def run(
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         arrays = select_backend(backend)
-        loaded = load_model(resolve_model(model))
+        loaded = load_model(resolve_model(model), dense=False)  # the engine plans memory, then loads
         params = sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed)
         chosen = apply_profile(profile, loaded, budget, hot_experts)
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
@@ -69,7 +72,11 @@ def run(
                                   (chosen.profile.data.get("device") or {}).get("offload_tier")
                                   if chosen.profile is not None else None),
                               fetch_threads=((chosen.profile.data.get("offload") or {}).get("fetch_threads")
-                                             if chosen.profile is not None else None))
+                                             if chosen.profile is not None else None),
+                              expert_budget=expert_budget, kernels=kernels, threads=threads, preload=True,
+                              batch=max(len(ids) if len(ids) < 64 else 64, 1 + 2 * settings.draft_cap))
+        if engine.model.ops.reason.startswith("auto: the compiled"):
+            err.print(f"[yellow]note: {engine.model.ops.reason}; running on NumPy[/yellow]")
         if engine.emulation.active:
             err.print(f"[yellow]{engine.emulation.describe()}: timings are not this machine's[/yellow]")
         costs = chosen.profile.costs if chosen.profile is not None else None
@@ -81,10 +88,11 @@ def run(
         stream = _Streamer(tok) if not json_out else None
         result = decoder.generate(ids, max_tokens, loaded.config.eos_token_ids, on_token=stream.push if stream else None)
         engine.close()
+        report = engine.report()  # after the run: the measured peaks
         text = tok.decode(result.tokens)
-        stats = {**result.stats(), **_per_token(engine.report(), len(result.tokens)), "method": spec.name,
+        stats = {**result.stats(), **_per_token(report, len(result.tokens)), "method": spec.name,
                  "draft_topk": settings.draft_topk,
-                 "cost_constants": costs.to_dict() if costs else None, "offload": engine.report(),
+                 "cost_constants": costs.to_dict() if costs else None, "offload": report,
                  "backend": {"name": arrays.name, "reason": arrays.reason, "host_reads": arrays.host_reads}}
         if json_out:
             print_json({"text": text, "prompt_tokens": ids, "tokens": result.tokens, "stats": stats})
@@ -146,6 +154,7 @@ def print_summary(stats: dict) -> None:
         f"({stats['backend']['reason']})[/dim]"
         + (f" · [yellow]{off['emulation']}[/yellow]" if "emulation" in off else "")
     )
+    err.print("[dim]" + memory_line(off["memory"], off["measured"]) + "[/dim]")
     table = Table(title="expert cache by phase", title_style="dim")
     for col in ("phase", "hits", "misses", "hit rate", "read", "fetch s", "MB/s", "experts/pass"):
         table.add_column(col, justify="right")
@@ -155,6 +164,19 @@ def print_summary(stats: dict) -> None:
                       f"{p['fetch_seconds']:.3f}", "-" if p["bandwidth_mb_s"] is None else f"{p['bandwidth_mb_s']:.0f}",
                       "-" if p["unique_experts_per_pass"] is None else f"{p['unique_experts_per_pass']:.1f}")
     err.print(table)
+
+
+def memory_line(plan: dict, measured: dict) -> str:
+    """The plan next to the measured peak, one line."""
+    from ..offload.memory import fmt_bytes
+
+    line = (f"memory plan {fmt_bytes(plan['total_bytes'])}: dense {fmt_bytes(plan['dense_bytes'])} + experts "
+            f"{fmt_bytes(plan['expert_capacity_bytes'])} + KV {fmt_bytes(plan['kv_bytes'])} + workspace "
+            f"{fmt_bytes(plan['work_bytes'])} + baseline {fmt_bytes(plan['baseline_bytes'])} · peak VmHWM "
+            f"{fmt_bytes(measured['vmhwm_bytes'] or 0)}")
+    if measured.get("cgroup_peak_bytes") is not None:
+        line += f" · cgroup peak {fmt_bytes(measured['cgroup_peak_bytes'])} (every process in {measured['cgroup']})"
+    return line
 
 
 class _Streamer:

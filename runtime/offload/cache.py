@@ -228,6 +228,18 @@ class ExpertCache:
         for k in keys:
             self.policy.remove(k)  # pinned experts are never victims
 
+    def preload(self, keys: Sequence[Key], progress=None) -> None:
+        """Read ``keys`` now (phase "load"), a layer at a time: full residency starts warm, as a
+        llama.cpp load does, instead of paying each first use during decoding."""
+        by_layer: dict[int, list[int]] = defaultdict(list)
+        for L, e in keys:
+            by_layer[L].append(e)
+        with self.in_phase("load"):
+            for L, experts in sorted(by_layer.items()):
+                self.get(L, experts)
+                if progress:
+                    progress(len(experts))
+
     def clear(self) -> None:
         """Evict every expert that is not pinned (calibration sets cache states this way)."""
         for key in [k for k in self.held if k not in self.pinned]:

@@ -1,13 +1,21 @@
-"""Memory budgets: ``--budget 16g | 512m | 0.25 | 123456789``.
+"""The memory plan: what a run will hold, computed before anything is loaded, and the budget it
+promises to keep.
 
-Dense weights, the KV cache and work buffers are counted first; what remains holds experts. A share
-(0 < x ≤ 1) means that share of the model's expert bytes in compute format, on top of the rest.
+``--budget`` bounds the model's memory: dense weights (as stored) + resident experts + KV cache +
+workspace (activations, kernel scratch, experts streaming through). ``--expert-budget`` sets only
+the experts. Both take bytes with a unit (16g, 512m), a share (0.25) or a percent (25%); a share
+means that share of the experts' stored bytes, on top of the rest. The interpreter and its
+libraries (the baseline, measured) come on top of the budget; the plan's ``total_bytes`` is what the
+process should peak at, and runs report the measured peak beside it (VmHWM, and the memory
+cgroup's peak where the process runs in one: every process in that cgroup counts there).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import UsageError
 from ..model.loader import LoadedModel
@@ -30,7 +38,14 @@ class Budget:
     total_bytes: int | None = None
 
     @classmethod
-    def parse(cls, text: str | None) -> "Budget":
+    def parse(cls, text: str | None, flag: str = "--budget") -> "Budget":
+        try:
+            return cls._parse(text)
+        except UsageError as exc:
+            raise UsageError(str(exc).replace("--budget", flag, 1)) from None
+
+    @classmethod
+    def _parse(cls, text: str | None) -> "Budget":
         if text is None or str(text).strip().lower() in ("", "full", "1", "1.0", "100%"):
             return cls(share=1.0)
         s = str(text).strip().lower()
@@ -58,44 +73,195 @@ class Budget:
     def describe(self) -> str:
         return f"{self.share:.0%} of expert bytes" if self.share is not None else fmt_bytes(self.total_bytes)
 
+    @property
+    def full(self) -> bool:
+        return self.share is not None and self.share >= 1.0
+
 
 @dataclass(frozen=True)
-class MemoryPlan:
-    dense_bytes: int
-    kv_bytes: int
-    work_bytes: int
-    expert_capacity: int  # bytes the expert cache may hold
-    expert_total: int  # all experts, compute format
+class Workspace:
+    """Transient bytes of a pass at its largest (``batch`` tokens against ``positions`` slots)."""
+
+    activations: int  # residual stream, norms, q/k/v, attention output, MoE output
+    attention: int  # scores, their exponentials and probabilities, masks
+    logits: int  # the head's output, its host copy, sampling in float64
+    experts: int  # kernel scratch (gate/up/down outputs) for the batch's token-expert pairs
+    streaming: int  # experts read but not kept: the reads in flight and the group in compute
+    reference: int  # the NumPy path's decoded-rows scratch (0 on the compiled kernels)
 
     @property
     def total(self) -> int:
+        return self.activations + self.attention + self.logits + self.experts + self.streaming + self.reference
+
+
+def workspace(model: LoadedModel, batch: int, positions: int, window: int, largest_expert: int,
+              reference: bool) -> Workspace:
+    c = model.config
+    T, H, V = batch, c.hidden_size, c.vocab_size
+    width = max(H, c.num_heads * c.head_dim, c.kv_floats_per_position // max(c.num_layers, 1))
+    windows = 2 if c.sliding_window else 1
+    I = c.expert_intermediate_size
+    return Workspace(
+        activations=16 * T * width * 4,
+        attention=3 * c.num_heads * T * positions * 4 + windows * T * positions,
+        logits=2 * T * V * 4 + 2 * V * 8,
+        experts=T * c.top_k * (2 * I + H) * 4 * 2,
+        streaming=2 * window * largest_expert,
+        reference=(4 << 20) + T * max(V, I, H) * 4 if reference else 0,
+    )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    dense_bytes: int  # dense part as resident: stored encodings, float32 copies of small tensors
+    kv_bytes: int
+    work_bytes: int
+    expert_capacity: int  # bytes the expert cache may hold
+    expert_total: int  # all experts as resident
+    expert_stored: int = 0  # all experts as stored in the file
+    baseline_bytes: int = 0  # interpreter, libraries, tokenizer: measured before loading
+    work: Workspace | None = field(default=None, compare=False)
+
+    @property
+    def model_bytes(self) -> int:
+        """What --budget bounds."""
         return self.dense_bytes + self.kv_bytes + self.work_bytes + self.expert_capacity
+
+    @property
+    def total(self) -> int:
+        """What the process should peak at: the baseline plus the model's memory."""
+        return self.baseline_bytes + self.model_bytes
 
     @property
     def expert_share(self) -> float:
         return self.expert_capacity / self.expert_total if self.expert_total else 1.0
 
     def to_dict(self) -> dict:
-        return {"dense_bytes": self.dense_bytes, "kv_bytes": self.kv_bytes, "work_bytes": self.work_bytes,
-                "expert_capacity_bytes": self.expert_capacity, "expert_total_bytes": self.expert_total,
-                "expert_share": round(self.expert_share, 4), "total_bytes": self.total}
+        out = {"dense_bytes": self.dense_bytes, "kv_bytes": self.kv_bytes, "work_bytes": self.work_bytes,
+               "expert_capacity_bytes": self.expert_capacity, "expert_total_bytes": self.expert_total,
+               "expert_stored_bytes": self.expert_stored, "expert_share": round(self.expert_share, 4),
+               "model_bytes": self.model_bytes, "baseline_bytes": self.baseline_bytes, "total_bytes": self.total}
+        if self.work is not None:
+            out["workspace"] = {k: getattr(self.work, k) for k in
+                                ("activations", "attention", "logits", "experts", "streaming", "reference")}
+        return out
 
 
-def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int) -> MemoryPlan:
+def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_budget: Budget | None = None,
+                batch: int | None = None, window: int = 4, reference_kernels: bool = False,
+                expert_bytes=None, baseline: int | None = None, direct: bool = True) -> MemoryPlan:
+    """The plan for ``budget`` (and ``expert_budget``). ``expert_bytes(refs)`` is one expert's
+    resident cost where it differs from the host's (device backends hold float32); ``batch`` is
+    the most tokens one pass runs (prompt chunks, verification batches)."""
+    from ..model.forward import PREFILL_CHUNK
+
     c = model.config
+    cost = expert_bytes or (lambda refs: refs.resident_bytes_for(direct))
+    sizes = [cost(refs) for refs in model.experts.values()]
+    total_experts, largest = sum(sizes), max(sizes)
+    stored = model.expert_stored_bytes
     dense = model.dense_bytes
     kv = c.kv_floats_per_position * kv_positions * 4
-    largest = max(e.resident_bytes for e in model.experts.values())
-    # Staging for one token's experts of one layer: what streams through when the cache is full.
-    work = c.top_k * largest
-    total_experts = model.expert_resident_bytes
-    if budget.share is not None:
-        return MemoryPlan(dense, kv, work, int(budget.share * total_experts), total_experts)
-    capacity = budget.total_bytes - dense - kv - work
-    if capacity < 0:
-        minimum = dense + kv + work
-        raise UsageError(
-            f"--budget {fmt_bytes(budget.total_bytes)} is below the dense part: dense weights {fmt_bytes(dense)} + "
-            f"KV cache {fmt_bytes(kv)} + work buffers {fmt_bytes(work)} need at least {fmt_bytes(minimum)} ({minimum} bytes)"
-        )
-    return MemoryPlan(dense, kv, work, min(capacity, total_experts), total_experts)
+    work = workspace(model, max(batch or PREFILL_CHUNK, 1), kv_positions, window, largest, reference_kernels)
+    rest = dense + kv + work.total
+    baseline = interpreter_baseline() if baseline is None else baseline
+
+    def share_of_experts(b: Budget) -> int:
+        # that share of the experts, each at its resident cost: its stored bytes (plus at most 8 KiB
+        # of page rounding under O_DIRECT), or float32 on a device backend
+        return min(total_experts, int(b.share * total_experts))
+
+    if expert_budget is not None:
+        capacity = share_of_experts(expert_budget) if expert_budget.share is not None else \
+            min(expert_budget.total_bytes, total_experts)
+        if budget.total_bytes is not None and rest + capacity > budget.total_bytes:
+            raise UsageError(f"--expert-budget {fmt_bytes(capacity)} does not fit --budget "
+                             f"{fmt_bytes(budget.total_bytes)}: the rest of the model needs {fmt_bytes(rest)}; "
+                             f"use --budget {fmt_bytes(rest + capacity)} or a smaller --expert-budget")
+    elif budget.share is not None:
+        capacity = share_of_experts(budget)
+    else:
+        capacity = budget.total_bytes - rest
+        if capacity < 0:
+            raise UsageError(
+                f"--budget {fmt_bytes(budget.total_bytes)} is below the dense part: dense weights {fmt_bytes(dense)} + "
+                f"KV cache {fmt_bytes(kv)} + workspace {fmt_bytes(work.total)} need at least {fmt_bytes(rest)} "
+                f"({rest} bytes); use --budget {-(-rest // (1 << 20))}m or more")
+        capacity = min(capacity, total_experts)
+    return MemoryPlan(dense, kv, work.total, capacity, total_experts, stored, baseline, work)
+
+
+# -- measuring what the process holds -------------------------------------------------------------
+
+def _status_kib(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def interpreter_baseline() -> int:
+    """Resident bytes of this process now (before the model is loaded): Python, NumPy, the
+    tokenizer, the kernels. 0 where /proc is missing."""
+    return _status_kib("VmRSS") or 0
+
+
+def memory_cgroup() -> str | None:
+    """This process's memory cgroup folder (v1 `memory` controller, or v2 unified), if readable."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            folder = "/sys/fs/cgroup/memory" + path
+            if os.path.exists(os.path.join(folder, "memory.max_usage_in_bytes")):
+                return folder
+    for line in lines:
+        if line.startswith("0::"):
+            folder = "/sys/fs/cgroup" + line[3:]
+            if os.path.exists(os.path.join(folder, "memory.peak")):
+                return folder
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return None if text == "max" else int(text)
+
+
+def measured_peak() -> dict:
+    """Peak resident bytes so far (VmHWM), and the memory cgroup's peak and limit where this process
+    is in a cgroup that reports them (the root cgroup's peak is the whole machine's: left out)."""
+    out = {"vmhwm_bytes": _status_kib("VmHWM"), "cgroup": None, "cgroup_peak_bytes": None,
+           "cgroup_limit_bytes": None}
+    folder = memory_cgroup()
+    if folder and folder.rstrip("/") not in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup"):
+        v1 = os.path.exists(os.path.join(folder, "memory.max_usage_in_bytes"))
+        out["cgroup"] = folder
+        out["cgroup_peak_bytes"] = _read_int(os.path.join(folder, "memory.max_usage_in_bytes" if v1 else "memory.peak"))
+        limit = _read_int(os.path.join(folder, "memory.limit_in_bytes" if v1 else "memory.max"))
+        out["cgroup_limit_bytes"] = limit if limit is None or limit < 1 << 60 else None
+    return out
+
+
+def release_freed_memory_promptly() -> None:
+    """glibc keeps freed blocks below a moving threshold in its heap, where RSS does not shrink:
+    fix the mmap threshold at 128 KiB so freed expert buffers and large temporaries go back to the
+    system at once, and the resident set tracks the plan. No-op on other C libraries."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (also stops glibc raising it dynamically)
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD: return heap tops above 1 MiB
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,124 @@
+"""The memory plan is a promise about the whole process: `s2moe run` at budgets 100 / 25 / 10 % on
+the embedded model and on a generated hidden-1024 model peaks within its plan + 64 MiB.
+
+The peak is the kernel's: a memory cgroup that holds only the run (its test id says "cgroup"), or
+the process's VmHWM where cgroups are not writable ("vmhwm"). The plan comes from the run's own
+--json (baseline measured in that process, before the model is loaded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from s2moe.runtime.cli.common import DEFAULT_MODEL
+from s2moe.runtime.errors import UsageError
+from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.offload.memory import Budget, plan_memory
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import cgroups  # noqa: E402
+
+SLACK = 64 << 20
+MEASURE = "cgroup" if cgroups.available() else "vmhwm"
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A random OLMoE-style model at hidden 1024, 32 experts top-4, intermediate 512 (F16, 2 layers:
+    233 MiB), with the embedded tokenizer (its ids fit the 8192-token vocabulary)."""
+    from benchmarks.synthetic import write_olmoe
+
+    folder = str(tmp_path_factory.mktemp("wide"))
+    write_olmoe(folder, hidden=1024, layers=2, experts=32, top_k=4, intermediate=512, vocab=8192, heads=16,
+                kv_heads=4)
+    shutil.copy(os.path.join(str(DEFAULT_MODEL), "tokenizer.json"), folder)
+    return folder
+
+
+def _run(model: str, budget: str) -> tuple[dict, int]:
+    cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", model, "--prompt", "def fibonacci(n):",
+           "-n", "24", "--budget", budget, "--method", "s2moe", "--temperature", "0", "--json"]
+    if MEASURE == "cgroup":
+        r = cgroups.run_in_cgroup(cmd, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout), r.peak_bytes
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    return out, out["stats"]["offload"]["measured"]["vmhwm_bytes"]
+
+
+@pytest.mark.parametrize("budget", ["1.0", "0.25", "0.1"])
+@pytest.mark.parametrize("which", ["default", "hidden-1024"])
+@pytest.mark.parametrize("measure", [MEASURE])
+def test_peak_memory_within_the_plan(which, budget, measure, wide_model):
+    model = str(DEFAULT_MODEL) if which == "default" else wide_model
+    out, peak = _run(model, budget)
+    plan = out["stats"]["offload"]["memory"]
+    cache = out["stats"]["offload"]["cache"]
+    assert cache["peak_resident_bytes"] <= plan["expert_capacity_bytes"]
+    over = peak - plan["total_bytes"]
+    print(f"{which} at {budget}: peak {peak >> 20} MiB by {measure}, plan {plan['total_bytes'] >> 20} MiB")
+    assert over <= SLACK, f"peak {peak} exceeds plan {plan['total_bytes']} + 64 MiB by {over - SLACK} ({measure})"
+
+
+def test_a_share_budget_holds_that_share_of_the_stored_experts(wide_model):
+    loaded = load_model(wide_model, dense=False)
+    plan = plan_memory(loaded, Budget.parse("0.25"), 256, baseline=0)
+    assert plan.expert_stored == loaded.expert_stored_bytes
+    # resident = stored (+ page rounding): a quarter of the experts' stored bytes, not of float32
+    assert 0.25 * plan.expert_stored <= plan.expert_capacity <= 0.25 * plan.expert_stored * 1.01
+    only = plan_memory(loaded, Budget.parse("1.0"), 256, expert_budget=Budget.parse("96m"), baseline=0)
+    assert only.expert_capacity == 96 << 20
+
+
+def test_a_budget_below_the_dense_part_names_the_smallest_that_works(wide_model):
+    loaded = load_model(wide_model, dense=False)
+    with pytest.raises(UsageError) as exc:
+        plan_memory(loaded, Budget.parse("40m"), 256, baseline=0)
+    message = str(exc.value)
+    assert "\n" not in message and "is below the dense part" in message
+    smallest = int(message.rsplit("use --budget ", 1)[1].split("m")[0])
+    plan_memory(loaded, Budget.parse(f"{smallest}m"), 256, baseline=0)  # that one works
+    with pytest.raises(UsageError, match="--expert-budget .* does not fit --budget"):
+        plan_memory(loaded, Budget.parse(f"{smallest}m"), 256, expert_budget=Budget.parse("50m"), baseline=0)
+
+
+def test_cli_budget_error_is_one_line_with_exit_2(wide_model):
+    r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", wide_model, "-p", "x",
+                        "--budget", "40m"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is below the dense part" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_loading_leaves_no_model_bytes_in_the_page_cache(wide_model):
+    """Dense part and experts are read with O_DIRECT (or buffered, then dropped): after a run the
+    model file holds (almost) no pages in the page cache. fincore counts them."""
+    if shutil.which("fincore") is None:
+        pytest.fail("fincore (util-linux) is needed to check the page cache")
+    path = os.path.join(wide_model, "model.safetensors")
+    cgroups.drop_page_cache(path)
+    r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", wide_model, "-p", "def f(x):",
+                        "-n", "8", "--method", "ar"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    cached = int(subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", path],
+                                capture_output=True, text=True, check=True).stdout.split()[0])
+    assert cached <= 1 << 20, f"{cached} bytes of the model file stayed in the page cache"
+
+
+def test_info_shows_the_plan(wide_model):
+    r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "info", "--model", wide_model, "--budget", "0.25",
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)["memory_plan"]
+    assert plan["budget"] == "0.25" and plan["model_bytes"] == (plan["dense_bytes"] + plan["kv_bytes"]
+                                                                 + plan["work_bytes"] + plan["expert_capacity_bytes"])
+    assert plan["total_bytes"] == plan["model_bytes"] + plan["baseline_bytes"] and plan["baseline_bytes"] > 0
+    assert np.isclose(plan["expert_share"], 0.25, atol=0.01)
