@@ -90,7 +90,7 @@ def test_mutated_headers_never_crash(tmp_path, fmt):
         parse = read_header
     else:
         data = _small_gguf(tmp_path / "seed.gguf")
-        header_end = min(len(data), GGUFIndex(str(tmp_path / "seed.gguf")).reader.data_offset)
+        header_end = min(len(data), GGUFIndex(str(tmp_path / "seed.gguf")).data_offset)
         parse = GGUFIndex
     rng = np.random.default_rng(20261129)
     target = tmp_path / f"case.{fmt}"

@@ -1,10 +1,15 @@
-"""Read a GGUF file's metadata and tensor table into `TensorRef`s (no tensor data is read)."""
+"""Read a GGUF file's metadata and tensor table into `TensorRef`s (no tensor data is read).
+
+Our own parser, not `gguf.GGUFReader`: that one maps the whole file, and a model larger than memory
+must not be mapped (its pages would count against the process's memory as it is touched)."""
 
 from __future__ import annotations
 
 import os
 import struct
 from typing import Any
+
+import numpy as np
 
 from ...errors import ModelFormatError
 from .tensors import TensorRef
@@ -36,71 +41,68 @@ def precheck_header(path: str, size: int) -> None:
                                f"cannot fit in {size} bytes")
 
 
-# GGUF value types → byte size of a scalar (8 = string, 9 = array are variable).
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF value types: (struct format, size) of scalars; 8 = string, 9 = array
+_SCALAR = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
+           7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?", 10: "<u8", 11: "<i8",
+          12: "<f8"}
 _MAX_DIMS = 4
+_MAX_DEPTH = 2  # arrays of arrays of scalars at most: deeper nesting is refused, not recursed into
 
 
-def prescan(path: str, size: int) -> None:
-    """Walk the metadata and tensor-info sections checking every length against the bytes left,
-    before `GGUFReader` builds objects for them: a mutated string or array length cannot make it
-    allocate or loop beyond what the file holds."""
-    f = open(path, "rb")
-    blob = bytearray(f.read(min(size, 4 << 20)))  # headers of real models are a few MB; grow on demand
-    pos = _HEADER
-    n_tensors, n_kv = struct.unpack_from("<QQ", blob, 8)
+class _Cursor:
+    """Reads the header sequentially from a buffered file, checking every length against the
+    bytes left before allocating for it: a mutated length cannot make it allocate or loop beyond
+    what the file holds. Reads only the header (grows its buffer on demand)."""
 
-    def take(n: int) -> int:
-        nonlocal pos
-        if n < 0 or pos + n > size:
-            raise ModelFormatError(f"{path}: corrupt GGUF header: a field at byte {pos} runs past the end of the file")
-        if pos + n > len(blob):
-            blob.extend(f.read(max(pos + n - len(blob), len(blob))))
-        start, pos = pos, pos + n
+    def __init__(self, path: str, f, size: int):
+        self.path, self.f, self.size = path, f, size
+        self.blob = bytearray(f.read(min(size, 1 << 20)))
+        self.pos = _HEADER
+
+    def take(self, n: int) -> int:
+        if n < 0 or self.pos + n > self.size:
+            raise ModelFormatError(f"{self.path}: corrupt GGUF header: a field at byte {self.pos} runs past the end "
+                                   "of the file")
+        if self.pos + n > len(self.blob):
+            self.blob.extend(self.f.read(max(self.pos + n - len(self.blob), len(self.blob))))
+        start, self.pos = self.pos, self.pos + n
         return start
 
-    def u32() -> int:
-        return struct.unpack_from("<I", blob, take(4))[0]
+    def scalar(self, kind: int):
+        fmt, n = _SCALAR[kind]
+        return struct.unpack_from(fmt, self.blob, self.take(n))[0]
 
-    def u64() -> int:
-        return struct.unpack_from("<Q", blob, take(8))[0]
+    def string(self) -> str:
+        n = self.scalar(10)
+        start = self.take(n)
+        try:
+            return bytes(self.blob[start:start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModelFormatError(f"{self.path}: corrupt GGUF header: a string at byte {start} is not UTF-8") from None
 
-    def value(kind: int, depth: int = 0) -> None:
+    def value(self, kind: int, depth: int = 0):
         if kind in _SCALAR:
-            take(_SCALAR[kind])
-        elif kind == 8:
-            take(u64())
-        elif kind == 9 and depth < 2:
-            sub, count = u32(), u64()
-            if sub in _SCALAR:
-                take(count * _SCALAR[sub])
-            else:
-                if count * 8 > size - pos:
-                    raise ModelFormatError(f"{path}: corrupt GGUF header: array of {count} entries at byte {pos}")
-                for _ in range(count):
-                    value(sub, depth + 1)
-        else:
-            raise ModelFormatError(f"{path}: corrupt GGUF header: unknown value type {kind} at byte {pos}")
-
-    try:
-        for _ in range(n_kv):
-            take(u64())  # key
-            value(u32())
-        for _ in range(n_tensors):
-            take(u64())  # name
-            dims = u32()
-            if not 1 <= dims <= _MAX_DIMS:
-                raise ModelFormatError(f"{path}: corrupt GGUF header: tensor with {dims} dimensions at byte {pos}")
-            take(8 * dims)
-            take(4 + 8)  # type, offset
-    finally:
-        f.close()
+            return self.scalar(kind)
+        if kind == 8:
+            return self.string()
+        if kind == 9 and depth < _MAX_DEPTH:
+            sub, count = self.scalar(4), self.scalar(10)
+            if sub in _SCALAR:  # numbers in one read, as NumPy would hold them
+                start = self.take(count * _SCALAR[sub][1])
+                return np.frombuffer(bytes(self.blob[start:start + count * _SCALAR[sub][1]]), _NUMPY[sub]).tolist()
+            if count * 8 > self.size - self.pos:  # every string or array takes at least 8 bytes
+                raise ModelFormatError(f"{self.path}: corrupt GGUF header: array of {count} entries at byte {self.pos}")
+            return [self.value(sub, depth + 1) for _ in range(count)]
+        raise ModelFormatError(f"{self.path}: corrupt GGUF header: unknown or too deeply nested value type {kind} "
+                               f"at byte {self.pos}")
 
 
 class GGUFIndex:
-    def __init__(self, path: str):
-        from gguf import GGUFReader  # lazy: only GGUF runs need it
+    """A GGUF file's metadata and tensor table, parsed from its header with bounded reads (the file
+    is never mapped, and the header's pages are dropped from the page cache afterwards)."""
 
+    def __init__(self, path: str):
         self.path = path
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -108,40 +110,52 @@ class GGUFIndex:
         if magic != b"GGUF":
             raise ModelFormatError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
         precheck_header(path, size)
-        prescan(path, size)
-        try:
-            self.reader = GGUFReader(path, "r")
-        except (Exception, RecursionError) as exc:  # ValueError, struct/index/unicode errors on bad headers
-            detail = str(exc).splitlines()[0][:120] if str(exc) else ""
-            raise ModelFormatError(f"{path}: invalid or truncated GGUF file ({exc.__class__.__name__}: {detail})") from None
+        with open(path, "rb") as f:
+            cur = _Cursor(path, f, size)
+            n_tensors, n_kv = struct.unpack_from("<QQ", cur.blob, 8)
+            fields: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = cur.string()
+                if key in fields:
+                    raise ModelFormatError(f"{path}: metadata key {key} appears twice")
+                fields[key] = cur.value(cur.scalar(4))
+            infos = []
+            for _ in range(n_tensors):
+                name = cur.string()
+                dims = cur.scalar(4)
+                if not 1 <= dims <= _MAX_DIMS:
+                    raise ModelFormatError(f"{path}: corrupt GGUF header: tensor with {dims} dimensions at byte {cur.pos}")
+                ne = [cur.scalar(10) for _ in range(dims)]
+                infos.append((name, ne, cur.scalar(4), cur.scalar(10)))
+            alignment = fields.get("general.alignment", 32)
+            if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+                raise ModelFormatError(f"{path}: general.alignment {alignment!r} is not a power of two")
+            self.data_offset = -(-cur.pos // alignment) * alignment
+            if hasattr(os, "posix_fadvise"):  # the header was read buffered: drop its pages
+                os.posix_fadvise(f.fileno(), 0, cur.pos, os.POSIX_FADV_DONTNEED)
+        self.alignment = alignment
+        self._bulky = {k: fields.pop(k) for k in _BULKY if k in fields}
+        self.metadata: dict[str, Any] = fields
         self.tensors: dict[str, TensorRef] = {}
         spans = []
-        for t in self.reader.tensors:
-            shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-            start, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
+        for name, ne, kind, rel in infos:
+            dtype, nbytes = _tensor_bytes(path, name, kind, ne)
+            start = self.data_offset + rel
+            end = start + nbytes
             if end > size:
-                raise ModelFormatError(f"{path}: truncated: tensor {t.name} ends at byte {end}, the file has {size}")
-            if t.name in self.tensors:
-                raise ModelFormatError(f"{path}: tensor {t.name} appears twice")
-            kind = t.tensor_type.name
-            self.tensors[t.name] = TensorRef(path, t.name, start, end - start, _PLAIN.get(kind, kind), shape)
-            spans.append((start, end, t.name))
+                raise ModelFormatError(f"{path}: truncated: tensor {name} ends at byte {end}, the file has {size}")
+            if name in self.tensors:
+                raise ModelFormatError(f"{path}: tensor {name} appears twice")
+            self.tensors[name] = TensorRef(path, name, start, nbytes, dtype, tuple(reversed(ne)))
+            spans.append((start, end, name))
         spans.sort()
         for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
             if b1 < e0:
                 raise ModelFormatError(f"{path}: tensors {n0} and {n1} overlap")
-        self.metadata: dict[str, Any] = {}
-        for key, field in self.reader.fields.items():
-            if key.startswith("GGUF.") or key in _BULKY:
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except Exception:
-                raise ModelFormatError(f"{path}: metadata field {key} cannot be decoded") from None
 
     def array(self, key: str) -> list | None:
-        field = self.reader.fields.get(key)
-        return None if field is None else field.contents()
+        value = self._bulky.get(key, self.metadata.get(key))
+        return value if value is None or isinstance(value, list) else None
 
     @property
     def architecture(self) -> str:
@@ -149,3 +163,20 @@ class GGUFIndex:
         if not isinstance(arch, str):
             raise ModelFormatError(f"{self.path}: GGUF metadata lacks 'general.architecture'")
         return arch
+
+
+def _tensor_bytes(path: str, name: str, kind: int, ne: list[int]) -> tuple[str, int]:
+    """(type name, byte size) of a tensor from its GGML type id and dimensions."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # the type table only, not the reader
+
+    try:
+        qtype = GGMLQuantizationType(kind)
+    except ValueError:
+        raise ModelFormatError(f"{path}: tensor {name} has unknown GGML type {kind}") from None
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    count = 1
+    for d in ne:
+        count *= d
+    if ne[0] % block:
+        raise ModelFormatError(f"{path}: tensor {name}: rows of {ne[0]} values do not fill {qtype.name} blocks of {block}")
+    return _PLAIN.get(qtype.name, qtype.name), count // block * type_size
