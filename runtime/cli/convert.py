@@ -27,7 +27,7 @@ def convert(
 
         if to.lower() != "gguf":
             raise UsageError(f"--to {to}: only 'gguf' is supported")
-        loaded = load_model(resolve_model(model))
+        loaded = load_model(resolve_model(model), dense=False)  # the writer reads one tensor at a time
         store = ExpertStore(loaded)
         write_gguf(loaded, out_path, store.read, tensor_type, expert_type, split_experts, loaded.tokenizer_path)
         err.print(f"wrote {out_path}")

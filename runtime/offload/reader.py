@@ -139,6 +139,10 @@ class FileReader:
                                   "was the file truncated or replaced?")
         return np.frombuffer(data, dtype=np.uint8)
 
+    def read_ref(self, ref) -> np.ndarray:
+        """One `TensorRef`'s bytes."""
+        return self.read(ref.path, ref.offset, ref.nbytes, f"tensor {ref.name}")
+
     def check_unchanged(self, path: str, where: str) -> None:
         """A file rewritten in place under us would silently change the weights: refuse instead."""
         st = os.fstat(self._fds[path])

@@ -5,14 +5,16 @@ tensor per (layer, expert, projection) (`blk.L.ffn_gate.NNN.weight`, the publish
 Tensor names come from the architecture files' GGUF tables (one source of truth with the loader).
 Norms, biases, sinks and the router stay F32 (llama.cpp's habit); 2-D weights take the requested
 type where their rows divide into its blocks, else F16. The file is written to a temp name, then
-renamed.
+renamed, streaming: tensors are planned first and written one at a time (a merged expert tensor
+one expert at a time), read with O_DIRECT, so converting needs about one tensor's memory.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -23,6 +25,10 @@ from ..models import BY_GGUF_ARCH, names_for
 GGUF_ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "deepseek_v2": "deepseek2",
              "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
+# Tensor data aligned to pages: every expert slice of a merged tensor whose size is a multiple of
+# 4 KiB starts on a page, so O_DIRECT reads it with no rounding and a resident expert costs exactly
+# its stored bytes. llama.cpp honours `general.alignment`.
+ALIGNMENT = 4096
 
 
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -35,62 +41,112 @@ def _f32(a) -> np.ndarray:
     """A tensor as float32 (stored matrices decoded by the reference path)."""
     from ...kernels.stored import StoredMatrix
 
-    return a.dequantize() if isinstance(a, StoredMatrix) else a
+    return a.dequantize() if isinstance(a, StoredMatrix) else np.asarray(a, dtype=np.float32)
 
 
-def _named_tensors(model: LoadedModel, read_expert, split_experts: bool) -> Iterator[tuple[str, np.ndarray, bool]]:
-    """(GGUF name, float32 array, is_expert) in llama.cpp's order."""
+@dataclass
+class _Tensor:
+    """One GGUF tensor, planned before any data is read: ``pieces()`` yields float32 arrays whose
+    concatenation along axis 0 is the tensor (a merged expert tensor: one expert at a time), so
+    the writer holds one piece and one encoded tensor at most."""
+
+    name: str
+    shape: tuple[int, ...]  # numpy order
+    is_expert: bool
+    pieces: Callable[[], Iterator[np.ndarray]]
+
+
+def _named_tensors(model: LoadedModel, read_expert, split_experts: bool, read_dense) -> Iterator[_Tensor]:
+    """Every tensor in llama.cpp's order. ``read_dense(spec)`` builds one dense tensor."""
     c = model.config
-    d = {k: _f32(v) for k, v in model.load_dense().items()}
     names = names_for(BY_GGUF_ARCH[GGUF_ARCH[c.arch]], "gguf")
     permute = c.arch == "mixtral"
-    yield "token_embd.weight", d["embed"], False
-    yield "output_norm.weight", d["norm"], False
+    specs = model.dense_specs
+
+    def dense(key: str, transform=lambda w: w) -> Callable[[], Iterator[np.ndarray]]:
+        return lambda: iter([transform(_f32(read_dense(specs[key])))])
+
+    def shape_of(key: str) -> tuple[int, ...]:
+        spec = specs[key]
+        return tuple(spec.shape or spec.refs[0].shape)
+
+    yield _Tensor("token_embd.weight", shape_of("embed"), False, dense("embed"))
+    yield _Tensor("output_norm.weight", shape_of("norm"), False, dense("norm"))
     if not c.tie_word_embeddings:
-        yield "output.weight", d["lm_head"], False
+        yield _Tensor("output.weight", shape_of("lm_head"), False, dense("lm_head"))
     for L in range(c.num_layers):
         prefix = f"layers.{L}."
-        for key, w in d.items():
-            if not key.startswith(prefix):
-                continue
+        for key in [k for k in specs if k.startswith(prefix)]:
             canon = key[len(prefix):]
-            if permute and canon in ("q", "k"):
-                w = _permute_qk(w, c.num_heads if canon == "q" else c.num_kv_heads)
-            yield names[canon][0].format(L=L), w, False
+            shape = shape_of(key)
+            transform = (lambda w, h=(c.num_heads if canon == "q" else c.num_kv_heads): _permute_qk(w, h)) \
+                if permute and canon in ("q", "k") else (lambda w: w)
+            yield _Tensor(names[canon][0].format(L=L), shape, False, dense(key, transform))
             if canon == "kv_b":  # llama.cpp also writes kv_b split per head for its absorbed MLA
                 nh, dn = c.num_heads, c.head_dim - c.qk_rope_head_dim
-                per_head = w.reshape(nh, -1, w.shape[1])
-                yield names["k_b"][0].format(L=L), np.ascontiguousarray(per_head[:, :dn].transpose(0, 2, 1)), False
-                yield names["v_b"][0].format(L=L), np.ascontiguousarray(per_head[:, dn:]), False
+                r = shape[1]
+                dv = shape[0] // nh - dn
+
+                def k_b(w, nh=nh, dn=dn):
+                    return np.ascontiguousarray(w.reshape(nh, -1, w.shape[1])[:, :dn].transpose(0, 2, 1))
+
+                def v_b(w, nh=nh, dn=dn):
+                    return np.ascontiguousarray(w.reshape(nh, -1, w.shape[1])[:, dn:])
+
+                yield _Tensor(names["k_b"][0].format(L=L), (nh, r, dn), False, dense(key, k_b))
+                yield _Tensor(names["v_b"][0].format(L=L), (nh, dv, r), False, dense(key, v_b))
         if not c.moe_layers[L]:
             continue
-        experts = [read_expert(L, e) for e in range(c.num_experts)]
+        first = read_expert(L, 0)
         for part in PROJECTIONS + BIASES:
-            if getattr(experts[0], part) is None:
+            if getattr(first, part) is None:
                 continue
+            shape = tuple(getattr(first, part).shape)
+
+            def piece(e: int, part=part, L=L) -> np.ndarray:
+                return _f32(getattr(read_expert(L, e), part))
+
             if split_experts:
-                for e, w in enumerate(experts):
-                    yield names[f"expert.{part}"][0].format(L=L, E=e), _f32(getattr(w, part)), True
+                for e in range(c.num_experts):
+                    yield _Tensor(names[f"expert.{part}"][0].format(L=L, E=e), shape, True,
+                                  lambda e=e, piece=piece: iter([piece(e)]))
             else:
-                yield names[f"experts.{part}"][0].format(L=L), np.stack([_f32(getattr(w, part)) for w in experts]), True
+                yield _Tensor(names[f"experts.{part}"][0].format(L=L), (c.num_experts, *shape), True,
+                              lambda piece=piece: (piece(e)[None] for e in range(c.num_experts)))
 
 
-def _encode(name: str, w: np.ndarray, kind: str):
+def _target(name: str, shape: tuple[int, ...], kind: str):
+    """(numpy dtype, GGML quantisation type or None) the tensor is written as."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if len(shape) == 1 or "ffn_gate_inp" in name or "norm" in name or name.endswith(".bias") or "sinks" in name:
+        return np.float32, None
+    if kind == "F32":
+        return np.float32, None
+    if kind == "F16":
+        return np.float16, None
+    qtype = GGMLQuantizationType[kind]
+    if shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+        return np.float16, None  # rows too short for this block size: llama.cpp falls back too
+    return np.uint8, qtype
+
+
+def _nbytes(shape: tuple[int, ...], dtype, qtype) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    n = int(np.prod(shape, dtype=np.int64))
+    if qtype is None:
+        return n * np.dtype(dtype).itemsize
+    block, size = GGML_QUANT_SIZES[qtype]
+    return n // block * size
+
+
+def _encode(piece: np.ndarray, dtype, qtype) -> np.ndarray:
+    if qtype is None:
+        return np.ascontiguousarray(piece, dtype=dtype)
     from gguf.quants import quantize
 
-    w = np.ascontiguousarray(w)  # the runtime keeps linear weights input-major (Fortran order)
-    if w.ndim == 1 or "ffn_gate_inp" in name or "norm" in name or name.endswith(".bias") or "sinks" in name:
-        return w.astype(np.float32), None
-    if kind == "F32":
-        return w.astype(np.float32), None
-    if kind == "F16":
-        return w.astype(np.float16), None
-    qtype = GGMLQuantizationType[kind]
-    block = GGML_QUANT_SIZES[qtype][0]
-    if w.shape[-1] % block:
-        return w.astype(np.float16), None  # rows too short for this block size: llama.cpp falls back too
-    return quantize(w.astype(np.float32), qtype), qtype
+    return quantize(np.ascontiguousarray(piece, dtype=np.float32), qtype)
 
 
 def write_gguf(
@@ -115,8 +171,12 @@ def write_gguf(
     for t in (tensor_type, expert_type):
         if t not in TYPES:
             raise UsageError(f"--type {t}: not a GGUF type this writer can produce (choose from {', '.join(TYPES)})")
+    from ...offload.reader import FileReader
+    from .. import dense as D
+
     c = model.config
     arch = GGUF_ARCH[c.arch]
+    reader = FileReader(direct=True)
     folder = os.path.dirname(os.path.abspath(out_path))
     fd, tmp = tempfile.mkstemp(prefix=".s2moe-", suffix=".gguf.tmp", dir=folder)
     os.close(fd)
@@ -150,22 +210,50 @@ def write_gguf(
             _add_tokenizer(w, tokenizer_json)
         _add_sampling_defaults(w, model.generation_defaults)
         overrides = raw_overrides or {}
-        for name, tensor, is_expert in _named_tensors(model, read_expert, split_experts):
-            if name in overrides:
-                data, qtype = overrides[name]
-                w.add_tensor(name, data, raw_dtype=qtype)
+        w.add_custom_alignment(ALIGNMENT)
+        planned = []
+        for t in _named_tensors(model, read_expert, split_experts, lambda spec: D.build(spec, reader.read_ref)):
+            if t.name in overrides:
+                data, qtype = overrides[t.name]
+                w.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, raw_dtype=qtype)
+                planned.append((t, None, None, data))
                 continue
-            data, qtype = _encode(name, tensor, expert_type if is_expert else tensor_type)
-            w.add_tensor(name, data, raw_dtype=qtype)
+            dtype, qtype = _target(t.name, t.shape, expert_type if t.is_expert else tensor_type)
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32) if qtype else np.dtype(dtype),
+                              _nbytes(t.shape, dtype, qtype), raw_dtype=qtype)
+            planned.append((t, dtype, qtype, None))
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        for t, dtype, qtype, data in planned:  # one tensor in memory at a time
+            if data is None:
+                data = np.concatenate([_encode(p, dtype, qtype) for p in t.pieces()])
+            w.write_tensor_data(data)
+            data = None
+            _drop_written(w)
         w.close()
+        os.chmod(tmp, 0o666 & ~_umask())  # a temp file is 0600: give the result the usual mode
         os.replace(tmp, out_path)
     finally:
+        reader.close()
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out_path
+
+
+def _drop_written(w) -> None:
+    """Write back what is written so far and drop it from the page cache: a conversion must not
+    fill the memory it runs in (a cgroup charges dirty pages to the writer) with the output file."""
+    for f in getattr(w, "fout", None) or []:
+        f.flush()
+        os.fdatasync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _add_arch_metadata(w, c) -> None:
