@@ -143,7 +143,7 @@ class GGUFIndex:
             start = self.data_offset + rel
             end = start + nbytes
             if end > size:
-                raise ModelFormatError(f"{path}: truncated: tensor {name} ends at byte {end}, the file has {size}")
+                raise ModelFormatError(f"{path}: truncated GGUF file: tensor {name} ends at byte {end}, the file has {size}")
             if name in self.tensors:
                 raise ModelFormatError(f"{path}: tensor {name} appears twice")
             self.tensors[name] = TensorRef(path, name, start, nbytes, dtype, tuple(reversed(ne)))
