@@ -100,7 +100,7 @@ def to_table(records: list[Record], title: str):
         t.add_column(col, justify="right" if col != "name" else "left")
     for r in records:
         t.add_row(r.name, f"{r.median:.4g}", r.unit, str(len(r.samples)),
-                  f"{min(r.samples):.4g}", f"{max(r.samples):.4g}")
+                  f"{min(r.samples):.4g}" if r.samples else "-", f"{max(r.samples):.4g}" if r.samples else "-")
     return t
 
 

@@ -41,6 +41,7 @@ def run(
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated per-request latency in µs."),
     offload_tier: Optional[str] = typer.Option(None, "--offload-tier", help="Where missing experts come from: file (SSD/disk, Orin) or host (all experts decoded once into pinned host RAM, RTX 4090). Default: the profile's tier, else file."),
     backend: str = typer.Option("auto", "--backend", help="auto (CuPy when a CUDA device is usable, else NumPy), numpy or cupy."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate --max-tokens tokens even past end-of-sequence (benchmarks)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate text with the model (S²-MoE self-speculative decoding by default)."""
@@ -86,7 +87,8 @@ def run(
                       f"{describe_costs(costs)}[/dim]")
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), params)
         stream = _Streamer(tok) if not json_out else None
-        result = decoder.generate(ids, max_tokens, loaded.config.eos_token_ids, on_token=stream.push if stream else None)
+        stop_ids = () if ignore_eos else loaded.config.eos_token_ids
+        result = decoder.generate(ids, max_tokens, stop_ids, on_token=stream.push if stream else None)
         engine.close()
         report = engine.report()  # after the run: the measured peaks
         text = tok.decode(result.tokens)

@@ -1,0 +1,188 @@
+"""llama.cpp as the outside reference: AR decode speed of llama.cpp and s2moe on the same GGUF.
+
+    python benchmarks/peer.py --build                 # once: llama-bench from the llama-cpp-python sdist
+    python benchmarks/peer.py [--reps 5] [--tokens 64] [--types F16,Q8_0]
+
+llama.cpp is built from the llama.cpp vendored in the `llama-cpp-python` sdist on PyPI (cmake,
+about 8 minutes on 2 cores), cached outside the repository (--cache, default ~/.cache/s2moe-peer).
+The model is a random OLMoE-style model at a realistic width (hidden 1024, 32 experts top-4,
+intermediate 512, 4 layers, 16 heads: llama.cpp's OLMoE loader wants k_norm as wide as q), written
+as safetensors and converted by `s2moe convert` to each GGUF type; both programs read that file.
+
+Two settings, each in one run with alternating repetitions (programs take turns, so drift hits
+both alike), 2 threads each:
+- uncapped: llama.cpp (mmap, its default) and s2moe with every expert resident;
+- capped: each program alone in a memory cgroup of its own non-model baseline + the dense part's
+  stored bytes + 25 % of the experts' stored bytes, the file's page cache dropped before every run.
+  llama.cpp runs with mmap (the page cache is its expert cache) and with --no-mmap (which must load
+  the whole model); s2moe with --expert-budget 0.25.
+A program's non-model baseline is measured uncapped: its peak (cgroup) minus the model bytes it held.
+
+Results: a table on stderr, JSON and CSV in docs/results/peer.*; docs/performance.md quotes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import cgroups  # noqa: E402
+from benchmarks.synthetic import write_olmoe  # noqa: E402
+from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+
+CACHE = os.path.expanduser("~/.cache/s2moe-peer")
+PROMPT = "def fibonacci(n):"
+
+
+def build(cache: str) -> str:
+    """Download the llama-cpp-python sdist, build llama-bench from its vendored llama.cpp."""
+    os.makedirs(cache, exist_ok=True)
+    sdists = glob.glob(os.path.join(cache, "llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        "llama-cpp-python", "-d", cache], check=True)
+        sdists = glob.glob(os.path.join(cache, "llama_cpp_python-*.tar.gz"))
+    sdist = sorted(sdists)[-1]
+    src = sdist[: -len(".tar.gz")]
+    if not os.path.isdir(src):
+        with tarfile.open(sdist) as tar:
+            tar.extractall(cache, filter="data")
+    llama = os.path.join(src, "vendor", "llama.cpp")
+    out = os.path.join(cache, "build")
+    subprocess.run(["cmake", "-S", llama, "-B", out, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
+    subprocess.run(["cmake", "--build", out, "-j", str(os.cpu_count() or 2), "--target", "llama-bench",
+                    "llama-completion"], check=True)
+    return bench_binary(cache)
+
+
+def bench_binary(cache: str) -> str:
+    path = os.path.join(cache, "build", "bin", "llama-bench")
+    if not os.path.exists(path):
+        sys.exit(f"error: {path} not found; run: python benchmarks/peer.py --build")
+    return path
+
+
+def models(cache: str, types: list[str]) -> dict[str, str]:
+    folder = os.path.join(cache, "olmoe-h1024-e32k4-i512-l4")
+    if not os.path.exists(os.path.join(folder, "model.safetensors")):
+        write_olmoe(folder, hidden=1024, layers=4, experts=32, top_k=4, intermediate=512, vocab=6144, heads=16,
+                    kv_heads=16)
+        from s2moe.runtime.cli.common import DEFAULT_MODEL
+
+        shutil.copy(os.path.join(str(DEFAULT_MODEL), "tokenizer.json"), folder)  # llama.cpp sizes the vocabulary by it
+    out = {}
+    for kind in types:
+        path = os.path.join(cache, f"olmoe-h1024-{kind.lower()}.gguf")
+        if not os.path.exists(path):
+            subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "convert", "--model", folder, "--out", path,
+                            "--type", kind], check=True)
+        out[kind] = path
+    return out
+
+
+def sizes(path: str) -> dict:
+    from s2moe.runtime.model.loader import load_model
+
+    loaded = load_model(path, dense=False)
+    return {"dense_stored": loaded.dense_stored_bytes, "expert_stored": loaded.expert_stored_bytes,
+            "file": os.path.getsize(path)}
+
+
+def llama_cmd(binary: str, path: str, tokens: int, threads: int, mmap: bool) -> list[str]:
+    return [binary, "-m", path, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json",
+            "--mmap", "1" if mmap else "0"]
+
+
+def s2moe_cmd(path: str, tokens: int, threads: int, expert_budget: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", path, "--prompt", PROMPT, "-n", str(tokens),
+           "--method", "ar", "--temperature", "0", "--threads", str(threads), "--json", "--ignore-eos"]
+    return cmd + (["--expert-budget", expert_budget] if expert_budget else [])
+
+
+def run(cmd: list[str], limit: int | None, drop: str | None) -> tuple[float | None, int | None, str]:
+    """(decode tokens/s or None, cgroup peak bytes, outcome)."""
+    if drop:
+        cgroups.drop_page_cache(drop)
+    r = cgroups.run_in_cgroup(cmd, limit_bytes=limit, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if r.oom_killed:
+        return None, r.peak_bytes, "OOM-killed"
+    if r.returncode != 0:
+        return None, r.peak_bytes, f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1][:200] if r.stderr else ''}"
+    data = json.loads(r.stdout)
+    if isinstance(data, list):  # llama-bench: one record per test
+        return float(data[0]["avg_ts"]), r.peak_bytes, "ok"
+    return float(data["stats"]["decode_tokens_per_s"]), r.peak_bytes, "ok"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", action="store_true", help="build llama-bench first (cached)")
+    ap.add_argument("--cache", default=CACHE)
+    ap.add_argument("--types", default="F16,Q8_0")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--share", default="0.25", help="expert share under the cap")
+    ap.add_argument("--settings", default="uncapped,capped")
+    ap.add_argument("--out", default="docs/results/peer")
+    args = ap.parse_args()
+    if cgroups.available() is None:
+        sys.exit("error: memory cgroups are not writable here; the capped setting needs them")
+    binary = build(args.cache) if args.build else bench_binary(args.cache)
+    paths = models(args.cache, [t.strip() for t in args.types.split(",")])
+    records = []
+    for kind, path in paths.items():
+        size = sizes(path)
+        programs = {
+            "llama.cpp mmap": llama_cmd(binary, path, args.tokens, args.threads, True),
+            "llama.cpp no-mmap": llama_cmd(binary, path, args.tokens, args.threads, False),
+            "s2moe": s2moe_cmd(path, args.tokens, args.threads, None),
+        }
+        # each program's non-model baseline: uncapped peak minus the model bytes it held (all of them)
+        baseline = {}
+        for name, cmd in programs.items():
+            _, peak, outcome = run(cmd, None, path)
+            held = size["file"] if name != "s2moe" else size["dense_stored"] + size["expert_stored"]
+            baseline[name] = max(peak - held, 0) if peak else 0
+            print(f"{kind} {name}: uncapped peak {peak >> 20} MiB, baseline {baseline[name] >> 20} MiB ({outcome})",
+                  file=sys.stderr)
+        share = float(args.share)
+        for setting in args.settings.split(","):
+            capped = setting == "capped"
+            cmds = dict(programs)
+            if capped:
+                cmds["s2moe"] = s2moe_cmd(path, args.tokens, args.threads, args.share)
+            else:
+                cmds.pop("llama.cpp no-mmap")  # uncapped: llama.cpp's default (mmap) is the reference
+            samples = {n: [] for n in cmds}
+            peaks = {n: [] for n in cmds}
+            outcomes = {n: [] for n in cmds}
+            limits = {n: baseline[n] + size["dense_stored"] + int(share * size["expert_stored"]) for n in cmds}
+            for _ in range(args.reps):  # alternating: every program once per round
+                for name, cmd in cmds.items():
+                    tps, peak, outcome = run(cmd, limits[name] if capped else None, path if capped else None)
+                    outcomes[name].append(outcome)
+                    peaks[name].append(peak)
+                    if tps is not None:
+                        samples[name].append(tps)
+            for name in cmds:
+                records.append(Record("peer", f"{kind} {setting} {name}", "tok/s", samples[name],
+                                      params={"type": kind, "setting": setting, "program": name,
+                                              "tokens": args.tokens, "threads": args.threads,
+                                              "limit_bytes": limits[name] if capped else None,
+                                              "model": os.path.basename(path), **size},
+                                      extra={"outcomes": outcomes[name], "peak_bytes": peaks[name],
+                                             "baseline_bytes": baseline[name]}))
+    write_outputs(records, {**machine_info(), "llama_bench": binary}, args.out, "llama.cpp vs s2moe, AR decode")
+
+
+if __name__ == "__main__":
+    main()
