@@ -44,8 +44,9 @@ def test_widened_model_routes_and_decodes_exactly_as_the_original(pair):
         ids = [int(t) for t in rng.integers(10, small.config.vocab_size, 24)]
         la, ra = a.forward(ids, a.new_cache(32))
         lb, rb = b.forward(ids, b.new_cache(32))
-        for L in ra.layers:  # the router makes the same choices, token by token
-            np.testing.assert_array_equal(ra.layers[L].experts, rb.layers[L].experts)
+        for L in ra.layers:  # the router chooses the same experts, token by token (the order of two
+            # near-equal scores may swap: compare the sets)
+            np.testing.assert_array_equal(np.sort(ra.layers[L].experts, -1), np.sort(rb.layers[L].experts, -1))
         # float32 sums over more (zero) terms and the q/k norms' eps: measured ≤ 3e-5 on logits ≤ 14
         np.testing.assert_allclose(lb, la, atol=2e-4, rtol=0)
         assert generate_ar(a, ids[:8], 32).tokens == generate_ar(b, ids[:8], 32).tokens
