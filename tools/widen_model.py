@@ -13,8 +13,8 @@ expert at intermediate 512):
   256/H; the norm weights are scaled by √(256/H) and ``rms_norm_eps`` by 256/H, which makes those
   norms exact. OLMoE's q/k norms (unchanged width) share the eps: theirs moves from 1e-5 to
   1e-5 · 256/H, a relative change below 1e-6 of their output (their inputs' mean squares are ≫ eps).
-Everything is written as F16 safetensors (the embedded model's own type) with its tokenizer and
-generation config. tests/test_widen.py checks that greedy output and router choices are identical.
+Weights are written as F16 safetensors (the embedded model's own type; the scaled norm weights as
+F32) with its tokenizer and generation config. tests/test_widen.py checks that greedy output and router choices are identical.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def widen(src: str, out: str, hidden: int, intermediate: int) -> str:
         if name.endswith("embed_tokens.weight") or name.endswith("lm_head.weight") or name.endswith("mlp.gate.weight"):
             w = _pad(w, (w.shape[0], hidden))  # [*, H]: new input columns
         elif name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) or name == "model.norm.weight":
-            w = (_pad(w, (hidden,)).astype(np.float32) * scale).astype(w.dtype)
+            w = _pad(w, (hidden,)).astype(np.float32) * scale  # float32: √(256/H) is exact in F16 only for H = 1024
         elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
             w = _pad(w, (w.shape[0], hidden))
         elif name.endswith("o_proj.weight"):
