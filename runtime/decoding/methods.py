@@ -66,6 +66,11 @@ class SpecSettings:
     # AE: after an iteration that admits nothing, run 1, 2, 4 … (≤ 16) plain AR steps before drafting
     # again, so a draft that cannot pay for itself stops costing a draft pass per token
     backoff: bool = True
+    # the draft uses only resident experts (under a budget): it never waits on the slow tier. A
+    # token whose draft choices are all absent takes the best resident expert ("best") or skips
+    # the layer's experts ("skip")
+    draft_resident: bool = True
+    draft_fallback: str = "best"
 
     def validate(self, top_k: int, num_experts: int) -> "SpecSettings":
         if not 1 <= self.draft_topk <= num_experts:
@@ -79,6 +84,8 @@ class SpecSettings:
             raise UsageError(f"--utility-threshold {self.utility_threshold}: must be >= 0")
         if self.rg_variant not in ("paper", "code"):
             raise UsageError(f"--rg-variant {self.rg_variant!r}: choose paper or code")
+        if self.draft_fallback not in ("best", "skip"):
+            raise UsageError(f"--draft-fallback {self.draft_fallback!r}: choose best or skip")
         return self
 
     def reuse_cap_for(self, top_k: int) -> int:

@@ -63,8 +63,11 @@ class SpeculativeDecoder:
         self.model, self.method, self.costs, self.params = model, method, costs, params
         self.settings = settings.validate(c.top_k, c.num_experts)
         self.top_k = c.top_k
-        self.draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk))
         self.cache = model.experts
+        resident = getattr(self.cache, "resident_mask", None) if settings.draft_resident else None
+        self.draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk),
+                                          allowed=(lambda L: resident(L, c.num_experts)) if resident else None,
+                                          fallback=settings.draft_fallback)
         self.metrics = SpecMetrics()
         self._cascade_k: int | None = None
 

@@ -25,7 +25,7 @@ from .config import ModelConfig
 from ..offload.experts import ExpertProvider
 from .kv_cache import KVCache
 from .loader import LoadedModel
-from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, route
+from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, restrict, route
 
 
 
@@ -104,6 +104,9 @@ class MoEModel:
             groups = (c.expert_groups, c.expert_groups_used) if c.expert_groups else None
             experts, weights = route(logits, k, c.router, c.norm_topk_prob, bias, scale=c.routed_scaling_factor,
                                      groups=groups, score_bias=host.get(p + "router_score_bias"))
+            allowed = policy.allowed(L) if policy.allowed else None
+            if allowed is not None:  # e.g. a draft restricted to resident experts: it never waits
+                experts, weights = restrict(experts, weights, logits, allowed, policy.fallback)
             if record is not None:
                 record.layers[L] = LayerRouting(logits, experts, weights)
         with self.split.part("experts"):
@@ -120,8 +123,9 @@ class MoEModel:
         dev = self.backend.to_device
         flat = experts.ravel()
         order = np.argsort(flat, kind="stable")
+        order = order[flat[order] >= 0]  # -1: a choice the policy dropped
         ids, starts = np.unique(flat[order], return_index=True)
-        bounds = np.append(starts, flat.size)
+        bounds = np.append(starts, order.size)
         token_of = (order // experts.shape[1]).astype(np.int32)
         weight_of = weights.ravel()[order].astype(np.float32)
         rows = {int(e): (dev(token_of[bounds[i]:bounds[i + 1]]), dev(weight_of[bounds[i]:bounds[i + 1]]))

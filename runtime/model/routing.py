@@ -16,14 +16,37 @@ import numpy as np
 SelectionBias = Callable[[int, np.ndarray], "np.ndarray | None"]
 
 
+# layer -> bool [E]: the experts a pass may use (a draft that never waits: the resident ones)
+Allowed = Callable[[int], "np.ndarray | None"]
+FALLBACKS = ("best", "skip")
+
+
 @dataclass(frozen=True)
 class RoutingPolicy:
     top_k: int | None = None  # override for every MoE layer (a self-draft's smaller k)
     layer_top_k: Mapping[int, int] = field(default_factory=dict)  # per-layer override wins
     selection_bias: SelectionBias | None = None
+    allowed: Allowed | None = None  # restrict the chosen experts (see `restrict`)
+    fallback: str = "best"  # a token left with no allowed expert: the best allowed one, or none
 
     def k_for(self, layer: int, default: int) -> int:
         return int(self.layer_top_k.get(layer, self.top_k or default))
+
+
+def restrict(experts: np.ndarray, weights: np.ndarray, logits: np.ndarray, allowed: np.ndarray,
+             fallback: str = "best") -> tuple[np.ndarray, np.ndarray]:
+    """Keep each token's chosen experts that are ``allowed`` ([E] bool); the rest become -1 with
+    weight 0 (the pass skips them). A token left with none gets, with ``fallback="best"``, the
+    allowed expert its router scores highest, at the weight of its own top choice; with "skip"
+    that layer's experts contribute nothing for it."""
+    keep = (experts >= 0) & allowed[np.maximum(experts, 0)]
+    empty = ~keep.any(-1)
+    out_e = np.where(keep, experts, -1)
+    out_w = np.where(keep, weights, 0.0).astype(np.float32)
+    if fallback == "best" and empty.any() and allowed.any():
+        out_e[empty, 0] = np.where(allowed[None, :], logits[empty], -np.inf).argmax(-1)
+        out_w[empty, 0] = weights[empty, 0]
+    return out_e, out_w
 
 
 TARGET = RoutingPolicy()
@@ -57,7 +80,7 @@ class RoutingRecord:
 
     def unique_experts(self, tokens: slice | None = None) -> set[tuple[int, int]]:
         sel = tokens or slice(None)
-        return {(L, int(e)) for L, r in self.layers.items() for e in np.unique(r.experts[sel])}
+        return {(L, int(e)) for L, r in self.layers.items() for e in np.unique(r.experts[sel]) if e >= 0}
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
+import numpy as np
+
 from ..errors import UsageError
 from .experts import ExpertWeights
 
@@ -179,6 +181,7 @@ class ExpertCache:
         self.place = place or (lambda w: w)
         self.window = max(1, window)
         self.held: dict[Key, ExpertWeights] = {}
+        self._by_layer: dict[int, set[int]] = defaultdict(set)  # resident experts per layer
         self.pinned: set[Key] = set()
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
@@ -209,6 +212,15 @@ class ExpertCache:
     # -- residency ------------------------------------------------------------------------------
     def contains(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self.held
+
+    def resident_mask(self, layer: int, num_experts: int):
+        """[E] bool of the layer's resident experts (a copy); None when every expert fits (no
+        budget): then nothing needs restricting."""
+        if self.capacity is None:
+            return None
+        mask = np.zeros(num_experts, dtype=bool)
+        mask[list(self._by_layer.get(layer, ()))] = True
+        return mask
 
     def pin(self, keys: Sequence[Key], resident_size=None) -> None:
         if not keys:
@@ -244,7 +256,7 @@ class ExpertCache:
         """Evict every expert that is not pinned (calibration sets cache states this way)."""
         for key in [k for k in self.held if k not in self.pinned]:
             self.policy.remove(key)
-            self.resident_bytes -= self.held.pop(key).nbytes
+            self._drop(key)
 
     def hold(self, key: Key, weights: ExpertWeights) -> None:
         """Make ``key`` resident with weights decoded earlier: no read, no accounting. Calibration
@@ -257,8 +269,13 @@ class ExpertCache:
 
     def _keep(self, key: Key, weights: ExpertWeights) -> None:
         self.held[key] = weights
+        self._by_layer[key[0]].add(key[1])
         self.resident_bytes += weights.nbytes
         self.policy.insert(key)
+
+    def _drop(self, key: Key) -> None:
+        self.resident_bytes -= self.held.pop(key).nbytes
+        self._by_layer[key[0]].discard(key[1])
 
     def _make_room(self, key: Key, size: int, protected: set[Key]) -> bool:
         """Evict until ``key`` fits, if the policy admits it over each victim; else keep all."""
@@ -269,7 +286,7 @@ class ExpertCache:
             if victim is None or not self.policy.admit(key, victim):
                 return False
             self.policy.remove(victim)
-            self.resident_bytes -= self.held.pop(victim).nbytes
+            self._drop(victim)
         return True
 
     def get(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:

@@ -1,0 +1,46 @@
+"""A draft that never waits on the slow tier: under a budget, draft passes use resident experts only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from s2moe.runtime.cli.common import DEFAULT_MODEL
+from s2moe.runtime.decoding.cost_model import CostConstants
+from s2moe.runtime.decoding.generate import generate_ar
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+from s2moe.runtime.engine import build_engine
+from s2moe.runtime.model.routing import restrict
+
+
+def test_restrict_keeps_allowed_choices_and_falls_back_by_rule():
+    experts = np.array([[3, 1], [0, 2], [1, 3]])
+    weights = np.array([[0.5, 0.2], [0.4, 0.3], [0.6, 0.1]], np.float32)
+    logits = np.array([[0, 5, 0, 9], [1, 0, 3, 2], [0, 8, 1, 4]], np.float32)
+    allowed = np.array([False, True, True, False])
+    e, w = restrict(experts, weights, logits, allowed, "best")
+    assert e.tolist() == [[-1, 1], [-1, 2], [1, -1]]
+    np.testing.assert_allclose(w, [[0.0, 0.2], [0.0, 0.3], [0.6, 0.0]], rtol=1e-6)
+    only_first = np.array([True, False, False, False])
+    e, w = restrict(experts, weights, logits, only_first, "best")
+    # row 0 keeps nothing: the best allowed expert (0) takes its top choice's weight; row 1 keeps 0
+    assert e.tolist() == [[0, -1], [0, -1], [0, -1]] and w[0, 0] == pytest.approx(0.5)
+    e, w = restrict(experts, weights, logits, only_first, "skip")
+    assert e.tolist() == [[-1, -1], [0, -1], [-1, -1]] and w[0].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("fallback", ["best", "skip"])
+@pytest.mark.parametrize("method", ["s2moe", "ca", "confidence"])
+def test_draft_never_fetches_and_greedy_output_stays_ar(method, fallback):
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 256)
+    ids = [int(t) for t in np.random.default_rng(3).integers(10, 6000, 12)]
+    want = generate_ar(build_engine(str(DEFAULT_MODEL), "0.25", 256).model, ids, 40).tokens
+    costs = CostConstants(t_ar=0.01, c_draft=0.001, t_exp_miss=0.0005, t_exp_hit=0.0001)  # AE drafts
+    settings = SpecSettings(draft_topk=2, draft_cap=4, draft_fallback=fallback, confidence_threshold=0.05)
+    spec = get_method(method, reuse_gating=False)
+    result = SpeculativeDecoder(engine.model, spec, settings, costs).generate(ids, 40)
+    draft = engine.cache.stats["draft"]
+    assert result.metrics.draft_passes > 0 and draft.hits > 0
+    assert draft.misses == 0 and draft.bytes_read == 0  # every draft pass ran on resident experts
+    assert result.tokens == want
