@@ -103,13 +103,16 @@ def build_engine(
     threads: int | None = None,
     batch: int | None = None,
     preload: bool = False,
+    prefetch_slots: int | None = None,
 ) -> Engine:
     """``offload_tier``: "file" reads missing experts from the model file (Orin: SSD → pinned →
     device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device).
 
     The memory plan is made before the dense part is read (``loaded`` may come without it:
     `load_model(path, dense=False)`), so a budget too small for it fails in one line first.
-    ``preload``: when every expert fits, read them all now (the CLI's runs start warm)."""
+    ``preload``: when every expert fits, read them all now (the CLI's runs start warm).
+    ``prefetch_slots``: experts a draft may read ahead for verification (default 2 × top-k under a
+    budget, 0 when every expert is resident); counted in the plan's workspace."""
     loaded = loaded or load_model(model_path, dense=False)
     parsed = Budget.parse(budget)
     experts_only = Budget.parse(expert_budget, "--expert-budget") if expert_budget is not None else None
@@ -123,8 +126,11 @@ def build_engine(
     # the fast tier lives where the math runs: on a device its experts are float32 (for now)
     size_of = (lambda refs: refs.float32_bytes) if backend.on_device else (lambda refs: refs.resident_bytes_for(direct_io))
     window = 4
+    everything = parsed.full and experts_only is None
+    slots = (0 if everything else 2 * loaded.config.top_k) if prefetch_slots is None else prefetch_slots
     plan = plan_memory(loaded, parsed, kv_positions, experts_only, batch=batch, window=window,
-                       reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io)
+                       reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
+                       prefetch=slots)
     release_freed_memory_promptly()
     loaded.load_dense(direct_io)
     emulation = Emulation(emulate_bandwidth, emulate_latency)
@@ -142,7 +148,7 @@ def build_engine(
         raise UsageError(f"{where}: {len(hot)} hot experts need {fmt_bytes(sum(map(size, hot)))}, the budget leaves "
                          f"{fmt_bytes(plan.expert_capacity)} for experts; shorten the list or raise --budget")
     cache = ExpertCache(store, None if full else plan.expert_capacity, policy, hot, size, place=backend.upload_expert,
-                        window=window)
+                        window=window, prefetch_slots=0 if full else slots)
     if preload and full:
         _preload(cache, sorted(loaded.experts))
     return Engine(loaded, MoEModel(loaded, cache, backend, ops), cache, plan, parsed, emulation)

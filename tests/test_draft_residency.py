@@ -44,3 +44,23 @@ def test_draft_never_fetches_and_greedy_output_stays_ar(method, fallback):
     assert result.metrics.draft_passes > 0 and draft.hits > 0
     assert draft.misses == 0 and draft.bytes_read == 0  # every draft pass ran on resident experts
     assert result.tokens == want
+
+
+def test_draft_guided_prefetch_serves_verification_and_keeps_ar_output():
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 256)
+    assert engine.cache.prefetch_slots == 2 * engine.loaded.config.top_k
+    ids = [int(t) for t in np.random.default_rng(5).integers(10, 6000, 12)]
+    want = generate_ar(build_engine(str(DEFAULT_MODEL), "0.25", 256).model, ids, 48).tokens
+    costs = CostConstants(t_ar=0.01, c_draft=0.001, t_exp_miss=0.0005, t_exp_hit=0.0001)
+    result = SpeculativeDecoder(engine.model, get_method("ca+ae"), SpecSettings(draft_cap=4), costs).generate(ids, 48)
+    assert result.tokens == want
+    p = engine.cache.prefetch_stats
+    assert p.issued > 0 and p.used > 0  # verification found predicted experts already read or in flight
+    assert p.issued == p.used + p.kept + p.wasted and not engine.cache._prefetched  # each settled once
+    assert engine.cache.resident_bytes <= engine.cache.capacity
+    report = engine.cache.report()["prefetch"]
+    assert report["issued"] == p.issued and report["hidden_seconds"] >= 0
+
+
+def test_no_prefetch_when_every_expert_is_resident():
+    assert build_engine(str(DEFAULT_MODEL), None, 64).cache.prefetch_slots == 0

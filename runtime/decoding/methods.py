@@ -71,6 +71,8 @@ class SpecSettings:
     # the layer's experts ("skip")
     draft_resident: bool = True
     draft_fallback: str = "best"
+    # read the experts the draft predicts for verification while it drafts (within the budget)
+    prefetch: bool = True
 
     def validate(self, top_k: int, num_experts: int) -> "SpecSettings":
         if not 1 <= self.draft_topk <= num_experts:

@@ -76,6 +76,11 @@ class SpeculativeDecoder:
         contains = getattr(self.cache, "contains", None)
         return bool(contains and contains(*key))
 
+    def _prefetch(self, keys: set[Key]) -> None:
+        prefetch = getattr(self.cache, "prefetch", None)
+        if prefetch and self.settings.prefetch:
+            prefetch(sorted(keys))
+
     def _predicted_experts(self, record: RoutingRecord, t: int) -> set[Key]:
         """Experts token t would use in verification: the target top-k of its draft-time logits."""
         out: set[Key] = set()
@@ -108,7 +113,9 @@ class SpeculativeDecoder:
         Returns the draft logits after the root and the root's predicted experts (S's start)."""
         logits, rec = self.model.forward(feed, kv, policy=self.draft_policy, logits="last")
         self.metrics.draft_passes += 1
-        return logits[-1], self._predicted_experts(rec, len(feed) - 1)
+        predicted = self._predicted_experts(rec, len(feed) - 1)
+        self._prefetch(predicted)
+        return logits[-1], predicted
 
     def _draft_chain(self, kv: KVCache, rng, length: int, logits: np.ndarray, selected: set[Key],
                      first: int | None = None) -> Draft:
@@ -139,6 +146,8 @@ class SpeculativeDecoder:
             if need_next:
                 next_logits, rec = self.model.forward([token], kv, policy=self.draft_policy, logits="last")
                 self.metrics.draft_passes += 1
+            if need_next:  # verification will need these: start reading them while drafting goes on
+                self._prefetch(self._predicted_experts(rec, 0))
             if m.admit == "utility":
                 new = self._predicted_experts(rec, 0) - selected
                 delta = marginal_verification_cost(new, self._resident, costs)
@@ -212,6 +221,9 @@ class SpeculativeDecoder:
             logits, rec = self.model.forward(tokens, kv, start=P, policy=policy,
                                              positions=positions if tree is not None else None, tree_mask=tree)
         took = time.perf_counter() - tv
+        settle = getattr(self.cache, "settle_prefetches", None)
+        if settle:
+            settle()
         self.metrics.verify_seconds += took
         if stats is not None:
             v = stats["verify"]

@@ -55,6 +55,24 @@ class PhaseStats:
         }
 
 
+@dataclass
+class PrefetchStats:
+    """Draft-guided prefetch: experts read ahead of the verification pass that needs them."""
+
+    issued: int = 0
+    used: int = 0  # served a verification miss (no read on the critical path, or a shorter one)
+    kept: int = 0  # not used, admitted into free space (nothing evicted for it)
+    wasted: int = 0  # not used, dropped
+    wasted_bytes: int = 0
+    read_seconds: float = 0.0  # of the prefetches used: issue to completion
+    waited_seconds: float = 0.0  # of those, what a pass still waited
+
+    def to_dict(self) -> dict:
+        return {"issued": self.issued, "used": self.used, "kept": self.kept, "wasted": self.wasted,
+                "wasted_bytes": self.wasted_bytes, "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
+                "waited_seconds": round(self.waited_seconds, 6)}
+
+
 class LRU:
     """Evicts the least recently used expert; admits every fetched expert."""
 
@@ -168,7 +186,8 @@ DEFAULT_POLICY = "lfu"
 
 class ExpertCache:
     def __init__(self, store, capacity_bytes: int | None = None, policy: str = DEFAULT_POLICY,
-                 hot: Iterable[Key] = (), resident_size=None, place=None, window: int = 4):
+                 hot: Iterable[Key] = (), resident_size=None, place=None, window: int = 4,
+                 prefetch_slots: int = 0):
         """``capacity_bytes`` None = unlimited (full residency). ``resident_size(key)`` gives an
         expert's compute-format bytes, used to check the hot set fits before reading it.
         ``place`` moves fetched weights into the fast tier's memory (`Backend.upload_expert`:
@@ -180,6 +199,9 @@ class ExpertCache:
         self.policy = POLICIES[policy]()
         self.place = place or (lambda w: w)
         self.window = max(1, window)
+        self.prefetch_slots = prefetch_slots  # experts read ahead at most (0: no prefetch)
+        self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
+        self.prefetch_stats = PrefetchStats()
         self.held: dict[Key, ExpertWeights] = {}
         self._by_layer: dict[int, set[int]] = defaultdict(set)  # resident experts per layer
         self.pinned: set[Key] = set()
@@ -322,16 +344,26 @@ class ExpertCache:
         window = window or self.window
         submit = getattr(self.store, "submit", None)
         protected = set(keys)
-        pending, inflight = deque(missing), deque()
+        # experts a draft prefetched are in flight or read already: they go first, outside the window
+        ahead = [(key, self._prefetched.pop(key)) for key in missing if key in self._prefetched]
+        pending = deque(key for key in missing if key not in dict(ahead))
+        inflight = deque((key, future) for key, (future, _, _) in ahead)
+        issued = {key: (t, done) for key, (_, t, done) in ahead}
+        self.prefetch_stats.used += len(ahead)
         while pending or inflight:
             t0 = time.perf_counter()
-            while pending and len(inflight) < window:
+            while pending and len(inflight) < window + len(issued):
                 key = pending.popleft()
                 inflight.append((key, submit(layer, [key[1]])[0] if submit else self.store.read_many(layer, [key[1]])[0]))
             group = []
             while inflight and (not group or _done(inflight[0][1])):  # the next, and any others already read
                 key, item = inflight.popleft()
+                waited = time.perf_counter()
                 w = self.place(item.result() if hasattr(item, "result") else item)
+                if key in issued:  # a prefetch: how much of its read the pass did not wait for
+                    t_issue, done = issued.pop(key)
+                    self.prefetch_stats.waited_seconds += max(0.0, (done[0] if done else waited) - waited)
+                    self.prefetch_stats.read_seconds += (done[0] if done else time.perf_counter()) - t_issue
                 stats.bytes_read += self.store.stored_bytes(*key)
                 if self._make_room(key, w.nbytes, protected):
                     self._keep(key, w)
@@ -342,8 +374,56 @@ class ExpertCache:
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
             yield group
 
+    # -- draft-guided prefetch --------------------------------------------------------------------
+    def prefetch(self, keys: Iterable[Key]) -> int:
+        """Start reading experts a coming pass will need (a draft's prediction of verification's
+        experts) on the fetch threads, at most ``prefetch_slots`` at a time; `stream` then finds
+        them in flight or read. Returns how many reads started."""
+        submit = getattr(self.store, "submit", None)
+        if submit is None or self.prefetch_slots <= 0:
+            return 0
+        started = 0
+        for key in keys:
+            if len(self._prefetched) >= self.prefetch_slots:
+                break
+            if key in self.held or key in self._prefetched:
+                continue
+            future = submit(key[0], [key[1]])[0]
+            done: list = []
+            if hasattr(future, "add_done_callback"):
+                future.add_done_callback(lambda _f, done=done: done.append(time.perf_counter()))
+            self._prefetched[key] = (future, time.perf_counter(), done)
+            started += 1
+        self.prefetch_stats.issued += started
+        return started
+
+    def settle_prefetches(self) -> None:
+        """After the pass they were for: read ones are kept if free space holds them (nothing is
+        evicted for a guess), the rest dropped; unstarted reads are cancelled."""
+        for key, (future, _, _) in list(self._prefetched.items()):
+            del self._prefetched[key]
+            if hasattr(future, "done") and not future.done():
+                self.prefetch_stats.wasted += 1
+                if not future.cancel():  # started: it finishes in the background, its buffer dropped
+                    self.prefetch_stats.wasted_bytes += self.store.stored_bytes(*key)
+                    self.stats["prefetch"].bytes_read += self.store.stored_bytes(*key)
+                continue
+            w = future.result() if hasattr(future, "result") else future
+            self.stats["prefetch"].bytes_read += self.store.stored_bytes(*key)
+            if key not in self.held and (self.capacity is None or self.resident_bytes + w.nbytes <= self.capacity):
+                self.policy.access(key)
+                self._keep(key, self.place(w))
+                self.prefetch_stats.kept += 1
+            else:
+                self.prefetch_stats.wasted += 1
+                self.prefetch_stats.wasted_bytes += self.store.stored_bytes(*key)
+
+    def in_flight(self, key: Key) -> bool:
+        return key in self._prefetched
+
     def report(self) -> dict:
         return {
+            "prefetch": self.prefetch_stats.to_dict(),
             "policy": self.policy.name,
             "capacity_bytes": self.capacity,
             "pinned": len(self.pinned),
