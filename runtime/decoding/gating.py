@@ -10,6 +10,12 @@ target top-k k:
     ℓ'_b,e = ℓ_b,e + λ_b · 1[e ∈ E*]
 The biased logits only select the top-k; mixture weights come from the unbiased router (the
 forward pass's `route` does that). No-op when B ≤ 1, cap ≤ 0, every λ_b ≤ 0 or every w_b = 0.
+
+Variant "resident" (ours): as "paper", but E* also favours what the fast tier already holds or is
+reading (resident or prefetched): E* = top max(cap, k) by ĝ_e + ρ · 1[e available], with ĝ the
+importance scaled to [0, 1] and ρ = ``residency`` (0 = the paper's E*; ≥ 1 = every available
+expert outranks every other). The batch then reuses what it holds instead of fetching; the price
+is quality (benchmarks/quality.py measures it).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import numpy as np
 
 from ..model.routing import top_k_indices
 
-VARIANTS = ("paper", "code")
+VARIANTS = ("paper", "code", "resident")
 
 
 @dataclass
@@ -30,13 +36,15 @@ class ReuseGating:
     variant: str = "paper"
     strength: float = 1.0
     confidences: np.ndarray | None = None  # [B] draft confidence per batch token (paper's w_b)
+    residency: float = 0.5  # "resident": the bonus ρ of an available expert in E*
+    available: object = None  # "resident": layer -> [E] bool (resident or in flight), or None
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"reuse gating variant {self.variant!r} not in {VARIANTS}")
 
     def weights(self, logits: np.ndarray) -> np.ndarray:
-        if self.variant == "paper" and self.confidences is not None:
+        if self.variant in ("paper", "resident") and self.confidences is not None:
             return np.asarray(self.confidences, dtype=np.float64)
         w = logits.max(-1) - logits.mean(-1)
         top = w.max()
@@ -51,10 +59,15 @@ class ReuseGating:
         if not np.any(w > 0):
             return None
         g = (w[:, None] * logits).sum(0)  # [E]
+        if self.variant == "resident" and self.available is not None:
+            avail = self.available(layer)
+            if avail is not None:
+                spread = g.max() - g.min()
+                g = (g - g.min()) / (spread if spread > 0 else 1.0) + self.residency * avail
         preferred = top_k_indices(g[None, :], min(max(self.cap, k), E))[0]
         ordered = -np.sort(-logits, axis=-1)
         gap = ordered[:, 0] - ordered[:, k]  # top-1 minus (k+1)-th, per token
-        lam = self.strength * (gap if self.variant == "paper" else np.full(B, gap.mean()))
+        lam = self.strength * (np.full(B, gap.mean()) if self.variant == "code" else gap)
         if not np.any(lam > 0):
             return None
         bias = np.zeros_like(logits)

@@ -58,7 +58,8 @@ class SpecSettings:
     draft_cap: int = 8
     reuse_cap: int | None = None  # None: 2 × target k
     utility_threshold: float = 1.0
-    rg_variant: str = "paper"  # or "code" (published code: router peakedness, batch-mean λ)
+    rg_variant: str = "paper"  # or "code" (published code: router peakedness, batch-mean λ), or "resident"
+    rg_residency: float = 0.5  # "resident": bonus of experts the fast tier holds or is reading
     rg_strength: float = 1.0
     confidence_threshold: float = 0.5
     cascade_test_iters: int = 2
@@ -84,8 +85,8 @@ class SpecSettings:
             raise UsageError(f"--draft-cap {self.draft_cap}: must be >= 1")
         if self.utility_threshold < 0:
             raise UsageError(f"--utility-threshold {self.utility_threshold}: must be >= 0")
-        if self.rg_variant not in ("paper", "code"):
-            raise UsageError(f"--rg-variant {self.rg_variant!r}: choose paper or code")
+        if self.rg_variant not in ("paper", "code", "resident"):
+            raise UsageError(f"--rg-variant {self.rg_variant!r}: choose paper, code or resident")
         if self.draft_fallback not in ("best", "skip"):
             raise UsageError(f"--draft-fallback {self.draft_fallback!r}: choose best or skip")
         return self

@@ -73,19 +73,40 @@ class SpeculativeDecoder:
 
     # -- helpers --------------------------------------------------------------------------------
     def _resident(self, key: Key) -> bool:
+        """Held, or being prefetched: verification pays compute for it, not a wait on the slow tier."""
         contains = getattr(self.cache, "contains", None)
-        return bool(contains and contains(*key))
+        in_flight = getattr(self.cache, "in_flight", None)
+        return bool(contains and contains(*key)) or bool(in_flight and in_flight(key))
+
+    def _available(self, layer: int):
+        mask = getattr(self.cache, "available_mask", None)
+        return mask(layer, self.model.config.num_experts) if mask else None
 
     def _prefetch(self, keys: set[Key]) -> None:
         prefetch = getattr(self.cache, "prefetch", None)
         if prefetch and self.settings.prefetch:
             prefetch(sorted(keys))
 
-    def _predicted_experts(self, record: RoutingRecord, t: int) -> set[Key]:
-        """Experts token t would use in verification: the target top-k of its draft-time logits."""
+    def _predicted_experts(self, record: RoutingRecord, t: int, batch: set[Key] | None = None) -> set[Key]:
+        """Experts token t would use in verification: the target top-k of its draft-time logits.
+        With reuse-aware gating and the batch's experts so far (``batch``), the top-k of the logits
+        as gating will bias them: the batch's experts (and, for the "resident" variant, what the
+        fast tier holds or is reading) raised by the token's own top-1 − (k+1)-th gap, so AE prices
+        what verification will really load."""
+        biased = batch is not None and self.method.reuse_gating and self.settings.rg_strength > 0
         out: set[Key] = set()
         for L, r in record.layers.items():
-            out.update((L, int(e)) for e in top_k_indices(r.logits[t:t + 1], self.top_k)[0])
+            row = r.logits[t:t + 1].astype(np.float64)
+            if biased:
+                favoured = np.zeros(row.shape[1], dtype=bool)
+                favoured[[e for layer, e in batch if layer == L]] = True
+                if self.settings.rg_variant == "resident":
+                    avail = self._available(L)
+                    favoured |= avail if avail is not None else False
+                ordered = -np.sort(-row[0])
+                gap = ordered[0] - ordered[min(self.top_k, row.shape[1] - 1)]
+                row = row + self.settings.rg_strength * gap * favoured
+            out.update((L, int(e)) for e in top_k_indices(row, self.top_k)[0])
         return out
 
     def _pick(self, logits: np.ndarray, rng) -> tuple[int, float, np.ndarray | None]:
@@ -148,8 +169,8 @@ class SpeculativeDecoder:
                 self.metrics.draft_passes += 1
             if need_next:  # verification will need these: start reading them while drafting goes on
                 self._prefetch(self._predicted_experts(rec, 0))
-            if m.admit == "utility":
-                new = self._predicted_experts(rec, 0) - selected
+            if m.admit == "utility":  # ΔC_ver(i|S): what token i adds beyond S under the gating in use
+                new = self._predicted_experts(rec, 0, selected) - selected
                 delta = marginal_verification_cost(new, self._resident, costs)
                 utility = prefix * prob * costs.t_ar / (delta + costs.c_draft)
                 if utility < s.utility_threshold:
@@ -169,7 +190,7 @@ class SpeculativeDecoder:
             return TARGET
         s = self.settings
         rg = ReuseGating(self.top_k, s.reuse_cap_for(self.top_k), s.rg_variant, s.rg_strength,
-                         np.asarray(confidences))
+                         np.asarray(confidences), s.rg_residency, self._available)
         return RoutingPolicy(selection_bias=rg.bias)
 
     def _accept_chain(self, logits: np.ndarray, d: Draft, rng, offset: int = 0) -> tuple[int, int]:

@@ -421,6 +421,15 @@ class ExpertCache:
     def in_flight(self, key: Key) -> bool:
         return key in self._prefetched
 
+    def available_mask(self, layer: int, num_experts: int):
+        """[E] bool: resident or being prefetched (None without a budget)."""
+        mask = self.resident_mask(layer, num_experts)
+        if mask is not None:
+            for L, e in self._prefetched:
+                if L == layer:
+                    mask[e] = True
+        return mask
+
     def report(self) -> dict:
         return {
             "prefetch": self.prefetch_stats.to_dict(),
