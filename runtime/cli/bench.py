@@ -26,6 +26,10 @@ def bench(
     utility_threshold: Optional[float] = typer.Option(None, "--utility-threshold"),
     profile: Optional[str] = typer.Option(None, "--profile", help="Device profile (cost constants, settings, budget, hot list)."),
     rg_variant: str = typer.Option("paper", "--rg-variant"),
+    rg_residency: float = typer.Option(0.5, "--rg-residency", help="Reuse gating 'resident' variant: bonus of experts the fast tier holds or is reading (0 = the paper's preferred set)."),
+    draft_fallback: str = typer.Option("best", "--draft-fallback", help="A draft token whose experts are all absent: best (the best resident expert) or skip (no experts in that layer)."),
+    draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
+    no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     seed: Optional[int] = typer.Option(0, "--seed"),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
@@ -61,7 +65,8 @@ def bench(
         tok = load_tokenizer(loaded)
         chosen = apply_profile(profile, loaded, budget, None)
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
-                                 chosen.profile)
+                                 chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
+                                 draft_resident=not draft_any_expert, prefetch=not no_prefetch)
         params = SamplingParams(temperature=temperature, seed=seed)
         with Progress(console=err, transient=True) as progress:
             task = progress.add_task("bench", total=len(names) * n_prompts)

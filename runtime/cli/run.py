@@ -25,6 +25,10 @@ def run(
     profile: Optional[str] = typer.Option(None, "--profile", help="Device profile: budget, hot experts, cost constants, speculative settings (flags override)."),
     rg_variant: str = typer.Option("paper", "--rg-variant", help="Reuse-aware gating: paper (per-token λ, draft-confidence weights) or code (published code)."),
     no_rg: bool = typer.Option(False, "--no-rg", help="Turn reuse-aware gating off (lossless S²-MoE)."),
+    rg_residency: float = typer.Option(0.5, "--rg-residency", help="Reuse gating 'resident' variant: bonus of experts the fast tier holds or is reading (0 = the paper's preferred set)."),
+    draft_fallback: str = typer.Option("best", "--draft-fallback", help="A draft token whose experts are all absent: best (the best resident expert) or skip (no experts in that layer)."),
+    draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
+    no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     no_share_kv: bool = typer.Option(False, "--no-share-kv", help="Ablation: the draft keeps its own KV cache."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy (argmax). Default: the model's generation_config.json, else 0."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
@@ -61,7 +65,8 @@ def run(
         params = sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed)
         chosen = apply_profile(profile, loaded, budget, hot_experts)
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
-                                 chosen.profile)
+                                 chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
+                                 draft_resident=not draft_any_expert, prefetch=not no_prefetch)
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(prompt).ids
         if not ids:

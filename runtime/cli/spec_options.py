@@ -19,7 +19,9 @@ def default_draft_topk(top_k: int) -> int:
 
 
 def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_cap: int | None,
-                  threshold: float | None, rg_variant: str, profile=None) -> SpecSettings:
+                  threshold: float | None, rg_variant: str, profile=None, **switches) -> SpecSettings:
+    """``switches``: further `SpecSettings` fields given on the command line (rg_residency,
+    draft_fallback, draft_resident, prefetch)."""
     spec = profile.speculative if profile is not None else {}
     if draft_topk:
         default, overrides = parse_draft_topk(draft_topk)
@@ -28,7 +30,7 @@ def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_c
     pick = lambda flag, key: flag if flag is not None else spec.get(key, DEFAULTS.get(key))  # noqa: E731
     return SpecSettings(draft_topk=default, layer_draft_topk=overrides, draft_cap=pick(draft_cap, "draft_cap"),
                         reuse_cap=pick(reuse_cap, "reuse_cap"), utility_threshold=pick(threshold, "utility_threshold"),
-                        rg_variant=rg_variant).validate(config.top_k, config.num_experts)
+                        rg_variant=rg_variant, **switches).validate(config.top_k, config.num_experts)
 
 
 @dataclass
