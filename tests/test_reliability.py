@@ -161,8 +161,11 @@ def gguf_layout(data: bytes) -> dict:
             for _ in range(count):
                 skip(sub)
 
+    keys = {}
     for _ in range(n_kv):
-        pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+        n = struct.unpack_from("<Q", data, pos)[0]
+        keys[data[pos + 8: pos + 8 + n].decode()] = pos
+        pos += 8 + n
         kind = struct.unpack_from("<I", data, pos)[0]
         pos += 4
         skip(kind)
@@ -176,7 +179,7 @@ def gguf_layout(data: bytes) -> dict:
         pos += 4 + 8 * dims + 4
         tensors[name] = (at, pos)  # name field, offset field
         pos += 8
-    return {"first_string": first_string, "tensors": tensors}
+    return {"first_string": first_string, "tensors": tensors, "keys": keys}
 
 
 @pytest.fixture(scope="module")
@@ -187,11 +190,11 @@ def tiny_gguf(tiny_model_dirs, tmp_path_factory) -> bytes:
     return path.read_bytes()
 
 
-def _same_length_pair(tensors: dict) -> tuple[str, str]:
+def _same_length_pair(names, within: str = "blk") -> tuple[str, str]:
     by_len: dict[int, list[str]] = {}
-    for name in tensors:
+    for name in names:
         by_len.setdefault(len(name), []).append(name)
-    return next(sorted(v)[:2] for v in by_len.values() if len(v) >= 2 and "blk" in v[0])
+    return next(sorted(v)[:2] for v in by_len.values() if len(v) >= 2 and within in v[0])
 
 
 def _gguf_case(data: bytes, case: str) -> tuple[bytes, str]:
@@ -207,6 +210,11 @@ def _gguf_case(data: bytes, case: str) -> tuple[bytes, str]:
     if case == "string length":  # row: a string length mutated: the pre-scan refuses it
         b[layout["first_string"]:layout["first_string"] + 8] = struct.pack("<Q", 10**12)
         return bytes(b), "runs past the end of the file"
+    if case == "duplicate metadata key":  # row: duplicates refused
+        first, second = _same_length_pair(layout["keys"], within="")
+        at = layout["keys"][second]
+        b[at + 8: at + 8 + len(first)] = first.encode()
+        return bytes(b), f"metadata key {first} appears twice"
     first, second = _same_length_pair(tensors)
     if case == "duplicate tensor":  # row: duplicates refused
         at = tensors[second][0]
@@ -219,7 +227,8 @@ def _gguf_case(data: bytes, case: str) -> tuple[bytes, str]:
     raise ValueError(case)
 
 
-GGUF_CASES = ["10^12 tensors", "10^12 metadata entries", "string length", "duplicate tensor", "overlapping tensors"]
+GGUF_CASES = ["10^12 tensors", "10^12 metadata entries", "string length", "duplicate tensor", "duplicate metadata key",
+              "overlapping tensors"]
 
 
 @pytest.mark.parametrize("case", GGUF_CASES)
