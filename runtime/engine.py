@@ -10,6 +10,7 @@ from .kernels import select_ops
 from .offload.memory import Budget, MemoryPlan, fmt_bytes, measured_peak, plan_memory, release_freed_memory_promptly
 from .kernels.backend import NUMPY, Backend
 from .offload.cache import DEFAULT_POLICY, ExpertCache
+from .checks import expert_pairs, number
 from .errors import UsageError
 from .model.loader import LoadedModel, load_model
 from .model.forward import MoEModel
@@ -65,24 +66,7 @@ def read_hot_experts(path: str, loaded: LoadedModel) -> list[tuple[int, int]]:
     entries = data.get("gpu_experts") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise UsageError(f"{path}: field 'gpu_experts' must be a list of [layer, expert] pairs")
-    c = loaded.config
-    moe_layers = set(c.moe_layer_ids)
-    seen: set[tuple[int, int]] = set()
-    out = []
-    for i, pair in enumerate(entries):
-        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)):
-            raise UsageError(f"{path}: gpu_experts[{i}] = {pair!r} is not a [layer, expert] pair of integers")
-        key = (pair[0], pair[1])
-        if key[0] not in moe_layers:
-            raise UsageError(f"{path}: gpu_experts[{i}]: layer {key[0]} is not a MoE layer of this model "
-                             f"(MoE layers: {min(moe_layers)}..{max(moe_layers)})")
-        if not 0 <= key[1] < c.num_experts:
-            raise UsageError(f"{path}: gpu_experts[{i}]: expert {key[1]} out of range 0..{c.num_experts - 1}")
-        if key in seen:
-            raise UsageError(f"{path}: gpu_experts[{i}]: duplicate entry [{key[0]}, {key[1]}]")
-        seen.add(key)
-        out.append(key)
-    return out
+    return expert_pairs(entries, loaded.config, f"{path}: gpu_experts")
 
 
 def build_engine(
@@ -104,6 +88,8 @@ def build_engine(
     batch: int | None = None,
     preload: bool = False,
     prefetch_slots: int | None = None,
+    budget_from: str = "--budget",
+    trim_hot: bool = False,
 ) -> Engine:
     """``offload_tier``: "file" reads missing experts from the model file (Orin: SSD → pinned →
     device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device).
@@ -114,12 +100,11 @@ def build_engine(
     ``prefetch_slots``: experts a draft may read ahead for verification (default 2 × top-k under a
     budget, 0 when every expert is resident); counted in the plan's workspace."""
     loaded = loaded or load_model(model_path, dense=False)
-    parsed = Budget.parse(budget)
+    parsed = Budget.parse(budget, budget_from)
     experts_only = Budget.parse(expert_budget, "--expert-budget") if expert_budget is not None else None
-    if emulate_bandwidth is not None and emulate_bandwidth <= 0:
-        raise UsageError(f"--emulate-bandwidth must be positive MB/s (got {emulate_bandwidth})")
-    if emulate_latency < 0:
-        raise UsageError(f"--emulate-latency must be >= 0 µs (got {emulate_latency})")
+    if emulate_bandwidth is not None:
+        number("--emulate-bandwidth", emulate_bandwidth, low=0, low_open=True)
+    number("--emulate-latency", emulate_latency, low=0)
     if offload_tier not in OFFLOAD_TIERS:
         raise UsageError(f"--offload-tier {offload_tier!r}: choose from {', '.join(OFFLOAD_TIERS)}")
     ops = select_ops(kernels, threads, backend)
@@ -141,8 +126,19 @@ def build_engine(
 
         store = HostTier(store, backend)
     full = plan.expert_capacity >= plan.expert_total
-    hot = read_hot_experts(hot_experts, loaded) if isinstance(hot_experts, str) else list(hot_experts or [])
+    hot = read_hot_experts(hot_experts, loaded) if isinstance(hot_experts, str) else \
+        expert_pairs(list(hot_experts or []), loaded.config, "hot experts")
     size = lambda key: size_of(loaded.experts[key])  # noqa: E731
+    if trim_hot and sum(map(size, hot)) > plan.expert_capacity:  # a profile's list, the user's budget
+        kept, used = [], 0
+        for key in hot:  # the list is in rank order: keep its head
+            if used + size(key) > plan.expert_capacity:
+                break
+            kept.append(key)
+            used += size(key)
+        _note(f"--budget leaves {fmt_bytes(plan.expert_capacity)} for experts: pinning the profile's first "
+              f"{len(kept)} of {len(hot)} hot experts")
+        hot = kept
     if hot and sum(map(size, hot)) > plan.expert_capacity:
         where = hot_experts if isinstance(hot_experts, str) else "hot experts"
         raise UsageError(f"{where}: {len(hot)} hot experts need {fmt_bytes(sum(map(size, hot)))}, the budget leaves "
@@ -152,6 +148,12 @@ def build_engine(
     if preload and full:
         _preload(cache, sorted(loaded.experts))
     return Engine(loaded, MoEModel(loaded, cache, backend, ops), cache, plan, parsed, emulation)
+
+
+def _note(message: str) -> None:
+    import sys
+
+    print(f"note: {message}", file=sys.stderr)
 
 
 def _preload(cache: ExpertCache, keys: list) -> None:

@@ -7,6 +7,7 @@ field path (``cost_model.t_ar_ms``) so messages can name the field.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 _TYPES = {
@@ -24,6 +25,8 @@ class SchemaViolation(ValueError):
 def _is(value: Any, kind: str) -> bool:
     if kind in ("integer", "number") and isinstance(value, bool):
         return False
+    if kind == "number" and isinstance(value, float) and not math.isfinite(value):
+        return False  # JSON readers accept NaN and Infinity; no profile field may hold them
     return isinstance(value, _TYPES[kind])
 
 
@@ -32,7 +35,9 @@ def check(value: Any, schema: dict, path: str = "") -> None:
     if kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else kinds
         if not any(_is(value, k) for k in kinds):
-            raise SchemaViolation(path, f"expected {' or '.join(kinds)}, got {type(value).__name__} {value!r:.40}")
+            got = f"{value}" if isinstance(value, float) else f"{type(value).__name__} {value!r:.40}"
+            raise SchemaViolation(path, f"expected a finite {' or '.join(kinds)}, got {got}" if "number" in kinds
+                                  else f"expected {' or '.join(kinds)}, got {got}")
     if "const" in schema and value != schema["const"]:
         raise SchemaViolation(path, f"must be {schema['const']!r}, got {value!r}")
     if "enum" in schema and value not in schema["enum"]:

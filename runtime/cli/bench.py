@@ -76,7 +76,8 @@ def bench(
                                 engine_kw={"emulate_bandwidth": emulate_bandwidth, "emulate_latency": emulate_latency,
                                            "backend": arrays, "offload_tier": offload_tier,
                                            "expert_budget": expert_budget, "kernels": kernels, "threads": threads,
-                                           "preload": True},
+                                           "preload": True, "budget_from": chosen.budget_from,
+                                           "trim_hot": chosen.trim_hot},
                                 progress=lambda name: progress.update(task, advance=1, description=name),
                                 estimate=estimate_costs)
         emulated = records[0].params.get("emulation")

@@ -30,7 +30,8 @@ def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_c
     pick = lambda flag, key: flag if flag is not None else spec.get(key, DEFAULTS.get(key))  # noqa: E731
     return SpecSettings(draft_topk=default, layer_draft_topk=overrides, draft_cap=pick(draft_cap, "draft_cap"),
                         reuse_cap=pick(reuse_cap, "reuse_cap"), utility_threshold=pick(threshold, "utility_threshold"),
-                        rg_variant=rg_variant, **switches).validate(config.top_k, config.num_experts)
+                        rg_variant=rg_variant, **switches).validate(config.top_k, config.num_experts,
+                                                                    config.moe_layer_ids)
 
 
 @dataclass
@@ -40,6 +41,8 @@ class ProfileChoice:
     profile: object | None
     budget: str | None
     hot_experts: object | None
+    budget_from: str = "--budget"  # where the budget came from (a flag or the profile's field)
+    trim_hot: bool = False  # the hot list is the profile's and the budget the user's: trim to fit
 
 
 def apply_profile(profile_path: str | None, loaded, budget: str | None, hot_experts) -> ProfileChoice:
@@ -57,8 +60,13 @@ def apply_profile(profile_path: str | None, loaded, budget: str | None, hot_expe
         err.print(f"[yellow]warning: {profile_path} was made for {prof.data['model']['name']}, not this model: using "
                   "its cost constants and settings, ignoring its hot-expert list[/yellow]")
     elif hot is None and prof.hot_experts:
-        hot = prof.hot_experts
-    return ProfileChoice(prof, budget if budget is not None else prof.budget_spec, hot)
+        from ..checks import expert_pairs
+
+        hot = expert_pairs(prof.hot_experts, loaded.config, f"{profile_path}: hot_experts.gpu_experts")
+    from_profile = budget is None
+    return ProfileChoice(prof, prof.budget_spec if from_profile else budget, hot,
+                         f"{profile_path}: budget.spec" if from_profile else "--budget",
+                         trim_hot=not from_profile and hot is not None and hot_experts is None)
 
 
 def describe_costs(costs) -> str:

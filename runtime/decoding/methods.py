@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..checks import number
 from ..errors import UsageError
 
 
@@ -75,16 +76,22 @@ class SpecSettings:
     # read the experts the draft predicts for verification while it drafts (within the budget)
     prefetch: bool = True
 
-    def validate(self, top_k: int, num_experts: int) -> "SpecSettings":
-        if not 1 <= self.draft_topk <= num_experts:
-            raise UsageError(f"--draft-topk {self.draft_topk}: must be in 1..{num_experts}")
+    def validate(self, top_k: int, num_experts: int, moe_layers=None) -> "SpecSettings":
+        """Every setting through `checks.number`; ``moe_layers`` (the model's MoE layer ids)
+        checks the layers of per-layer draft top-k overrides."""
+        number("--draft-topk", self.draft_topk, low=1, high=num_experts, integer=True)
         for layer, k in self.layer_draft_topk.items():
-            if not 1 <= k <= num_experts:
-                raise UsageError(f"--draft-topk {layer}:{k}: must be in 1..{num_experts}")
-        if self.draft_cap < 1:
-            raise UsageError(f"--draft-cap {self.draft_cap}: must be >= 1")
-        if self.utility_threshold < 0:
-            raise UsageError(f"--utility-threshold {self.utility_threshold}: must be >= 0")
+            if moe_layers is not None and layer not in set(moe_layers):
+                raise UsageError(f"--draft-topk {layer}:{k}: layer {layer} is not a MoE layer of this model "
+                                 f"(MoE layers: {min(moe_layers)}..{max(moe_layers)})")
+            number(f"--draft-topk {layer}:", k, low=1, high=num_experts, integer=True)
+        number("--draft-cap", self.draft_cap, low=1, high=256, integer=True)
+        if self.reuse_cap is not None:
+            number("--reuse-cap", self.reuse_cap, low=1, integer=True)  # above E: E* is every expert
+        number("--utility-threshold", self.utility_threshold, low=0)
+        number("--rg-residency", self.rg_residency, low=0)
+        number("reuse gating strength", self.rg_strength, low=0)
+        number("confidence threshold", self.confidence_threshold, low=0, high=1)
         if self.rg_variant not in ("paper", "code", "resident"):
             raise UsageError(f"--rg-variant {self.rg_variant!r}: choose paper, code or resident")
         if self.draft_fallback not in ("best", "skip"):

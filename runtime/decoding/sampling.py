@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import UsageError
+from ..checks import number
 
 
 @dataclass(frozen=True)
@@ -18,14 +18,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise UsageError(f"--temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise UsageError(f"--top-p must be in (0, 1] (got {self.top_p})")
-        if not 0 <= self.min_p < 1:
-            raise UsageError(f"--min-p must be in [0, 1) (got {self.min_p})")
-        if self.top_k < 0:
-            raise UsageError(f"--top-k must be >= 0 (got {self.top_k})")
+        number("--temperature", self.temperature, low=0)
+        number("--top-p", self.top_p, low=0, low_open=True, high=1)
+        number("--min-p", self.min_p, low=0, high=1, high_open=True)
+        number("--top-k", self.top_k, low=0, integer=True)
+        if self.seed is not None:
+            number("--seed", self.seed, low=0, high=2 ** 63 - 1, integer=True)
 
     @property
     def greedy(self) -> bool:

@@ -42,9 +42,9 @@ def marginal_verification_cost(new_experts: set[Key], is_resident, costs: CostCo
 class Draft:
     tokens: list[int] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)  # q(d_i) of each draft token
-    # the law d_i has *given that it was admitted* (sampling only): q(·) under a fixed-length rule,
-    # q restricted to {q ≥ θ} under the confidence rule, None when the rule's verdict depends on
-    # more than q (AE looks at the token's experts): verification then matches a target sample
+    # the law d_i has *given that it was admitted* (sampling only): q(·) under a fixed-length rule
+    # and AE (which stops after a token rather than dropping it), q restricted to {q ≥ θ} under the
+    # confidence rule; None (a forced tree branch): verification then matches a target sample
     dists: list[np.ndarray | None] = field(default_factory=list)
 
 
@@ -158,28 +158,36 @@ class SpeculativeDecoder:
                 # drawn from q restricted to {q ≥ θ}; verifying it against plain q would bias the output
                 dist = np.where(dist >= s.confidence_threshold, dist, 0.0)
                 dist = dist / dist.sum()
-            elif m.admit == "utility":
-                dist = None  # U_i also depends on the token's experts: its admitted law is unknown
+            # AE. Greedy: a token that cannot pay for itself is dropped. Sampled: U_i depends on the
+            # token's experts, so dropping it would leave the admitted tokens with an unknown law;
+            # instead the token (drawn from q) is verified and drafting stops after it: the stop is
+            # a stopping time of the drafted tokens, and speculative sampling stays exact.
+            last = False
             if m.admit == "utility" and prefix * prob * costs.t_ar / costs.c_draft < s.utility_threshold:
-                break  # even with ΔC_ver = 0 the token cannot pay for itself: skip its draft pass
+                if dist is None:
+                    break  # even with ΔC_ver = 0 the token cannot pay for itself: skip its draft pass
+                last = True
             # AE needs token i's experts before admitting it; other rules only need the next logits
-            need_next = m.admit == "utility" or len(d.tokens) + 1 < length
+            need_next = (m.admit == "utility" and not last) or (len(d.tokens) + 1 < length and not last)
             if need_next:
                 next_logits, rec = self.model.forward([token], kv, policy=self.draft_policy, logits="last")
                 self.metrics.draft_passes += 1
-            if need_next:  # verification will need these: start reading them while drafting goes on
-                self._prefetch(self._predicted_experts(rec, 0))
-            if m.admit == "utility":  # ΔC_ver(i|S): what token i adds beyond S under the gating in use
+                self._prefetch(self._predicted_experts(rec, 0))  # verification will need these: read them now
+            if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
                 new = self._predicted_experts(rec, 0, selected) - selected
                 delta = marginal_verification_cost(new, self._resident, costs)
                 utility = prefix * prob * costs.t_ar / (delta + costs.c_draft)
                 if utility < s.utility_threshold:
-                    break
+                    if dist is None:
+                        break
+                    last = True
                 selected |= new
             prefix *= prob
             d.tokens.append(token)
             d.token_probs.append(prob)
             d.dists.append(dist)
+            if last:
+                break
             if need_next:
                 logits = next_logits[-1]
         return d
