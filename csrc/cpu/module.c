@@ -198,6 +198,32 @@ done:
     return result;
 }
 
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    PyObject *xo, *wo, *oo;
+    float eps;
+    if (!PyArg_ParseTuple(args, "OOfO", &xo, &wo, &eps, &oo)) return NULL;
+    Py_buffer x, w, out;
+    if (get_buf(xo, &x, 'f', 0, "x") < 0) return NULL;
+    if (get_buf(wo, &w, 'f', 0, "weight") < 0) {
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    if (get_buf(oo, &out, 'f', 1, "out") < 0) {
+        PyBuffer_Release(&w);
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    long n = (long)(w.len / 4), rows = n > 0 ? (long)(x.len / 4 / n) : 0;
+    int ok = n > 0 && x.len == (Py_ssize_t)rows * n * 4 && check_len(&out, x.len, "out") == 0;
+    if (ok) op_rms_norm(x.buf, w.buf, rows, n, eps, out.buf); /* tiny: no GIL release */
+    else if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "x: not a whole number of rows of len(weight)");
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&x);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     int n;
     if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
@@ -227,6 +253,7 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(W, type, N, K, x, out, bias=None): out[T,N] = x[T,K] @ W.T (+bias)"},
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(W, type, N, K, ids int64, out): out = W[ids]"},
     {"moe", py_moe, METH_VARARGS, "moe(experts, I, H, x, out, act=0, alpha=1.702, limit=7): one layer's experts"},
+    {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): RMSNorm over rows of len(w)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n) -> threads in use (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads in use"},
     {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},

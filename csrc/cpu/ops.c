@@ -191,3 +191,17 @@ int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float
     free(ptrs);
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------- */
+/* RMSNorm over rows: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w                                */
+
+void op_rms_norm(const float *x, const float *w, long rows, long n, float eps, float *out) {
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * (size_t)n;
+        float *o = out + (size_t)r * (size_t)n;
+        double ss = 0.0;
+        for (long i = 0; i < n; i++) ss += (double)xr[i] * xr[i];
+        float scale = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+        for (long i = 0; i < n; i++) o[i] = xr[i] * scale * w[i];
+    }
+}

@@ -25,4 +25,7 @@ int op_dequant_rows(int type, const uint8_t *W, long N, long K, const int64_t *i
 int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float *out, int act, float alpha,
            float limit);
 
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of n values (double accumulation). */
+void op_rms_norm(const float *x, const float *w, long rows, long n, float eps, float *out);
+
 #endif

@@ -63,6 +63,13 @@ class CpuOps(ReferenceOps):
         self.threads = _cpu.set_threads(threads or default_threads())
         self.path = _cpu.path()
 
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        if x.dtype != np.float32 or not x.flags.c_contiguous or weight.ndim != 1 or x.shape[-1] != weight.size:
+            return super().rms_norm(x, weight, eps)  # a strided view (per-head norms): NumPy
+        out = np.empty_like(x)
+        _cpu.rms_norm(x, np.ascontiguousarray(weight, dtype=np.float32), eps, out)
+        return out
+
     def linear(self, x: np.ndarray, W, bias=None) -> np.ndarray:
         if not isinstance(W, StoredMatrix) or W.dtype == "F32":
             return super().linear(x, W, bias)

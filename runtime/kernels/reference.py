@@ -52,6 +52,11 @@ class ReferenceOps:
     def __init__(self, reason: str = "requested"):
         self.reason = reason
 
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        from ..model.attention import rms_norm
+
+        return rms_norm(x, weight, eps)
+
     def linear(self, x: np.ndarray, W, bias=None) -> np.ndarray:
         """x [T, K] @ W.T → [T, N] (+ bias)."""
         if not isinstance(W, StoredMatrix):

@@ -47,8 +47,8 @@ def gqa(c: ModelConfig, W: dict, ops, L: int, x: np.ndarray, start: int, kv: KVC
     p = f"layers.{L}."
     q, k, v = _linear(ops, x, W, p + "q"), _linear(ops, x, W, p + "k"), _linear(ops, x, W, p + "v")
     if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
-        q = rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
+        q = ops.rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
+        k = ops.rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
     if c.clip_qkv is not None:
         q, k, v = (xp_of(a).clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
     q = q.reshape(T, nh, D).transpose(1, 0, 2)  # [nh, T, D]
@@ -83,12 +83,12 @@ def mla(c: ModelConfig, W: dict, ops, L: int, x: np.ndarray, start: int, kv: KVC
     dn = c.head_dim - dr
     p = f"layers.{L}."
     if c.q_lora_rank:
-        q = ops.linear(rms_norm(_linear(ops, x, W, p + "q_a"), W[p + "q_a_norm"], c.rms_norm_eps), W[p + "q_b"])
+        q = ops.linear(ops.rms_norm(_linear(ops, x, W, p + "q_a"), W[p + "q_a_norm"], c.rms_norm_eps), W[p + "q_b"])
     else:
         q = ops.linear(x, W[p + "q"])
     q = q.reshape(T, nh, dn + dr).transpose(1, 0, 2)  # [nh, T, dn + dr]
     compressed = _linear(ops, x, W, p + "kv_a")  # [T, r + dr]
-    latent = rms_norm(compressed[:, :r], W[p + "kv_a_norm"], c.rms_norm_eps)
+    latent = ops.rms_norm(compressed[:, :r], W[p + "kv_a_norm"], c.rms_norm_eps)
     q_pe = rope.apply(q[..., dn:], *cs, c.rope_interleave)
     k_pe = rope.apply(compressed[None, :, r:], *cs, c.rope_interleave)  # [1, T, dr]
     kv.write(L, start, latent[None], k_pe)

@@ -213,9 +213,9 @@ class MoEModel:
         h = ops.embed(W["embed"], dev(tokens))
         for L in range(c.num_layers):
             with self.split.part("attention"):
-                h = h + self._attention(L, rms_norm(h, W[f"layers.{L}.attn_norm"], c.rms_norm_eps), start, kv, cos, sin,
+                h = h + self._attention(L, ops.rms_norm(h, W[f"layers.{L}.attn_norm"], c.rms_norm_eps), start, kv, cos, sin,
                                         masks[c.window_of(L)])
-            x = rms_norm(h, W[f"layers.{L}.ffn_norm"], c.rms_norm_eps)
+            x = ops.rms_norm(h, W[f"layers.{L}.ffn_norm"], c.rms_norm_eps)
             if c.moe_layers[L]:
                 h = h + self._moe(L, x, policy, rec)
             else:
@@ -226,7 +226,7 @@ class MoEModel:
             with self.split.part("lm_head"):
                 if logits == "last":
                     h = h[-1:]
-                out = ops.linear(rms_norm(h, W["norm"], c.rms_norm_eps), W["lm_head"])
+                out = ops.linear(ops.rms_norm(h, W["norm"], c.rms_norm_eps), W["lm_head"])
         if end:
             end()
         return (None if out is None else self.backend.to_host(out)), rec  # logits to the host for sampling

@@ -92,8 +92,8 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 def top_k_indices(scores: np.ndarray, k: int) -> np.ndarray:
     """Top-k per row, highest first, ties to the lower expert id (deterministic)."""
-    if k >= scores.shape[-1]:
-        return np.argsort(-scores, axis=-1, kind="stable")
+    if k >= scores.shape[-1] or scores.size <= 4096:  # small: a stable sort is exact and cheapest
+        return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
     part = np.argpartition(-scores, k - 1, axis=-1)[:, :k]
     # argpartition does not order ties by id; re-rank the candidates, then make sure no tied
     # outsider with a lower id was left out (rare: fall back to a full stable sort for those rows).

@@ -331,7 +331,7 @@ class ExpertCache:
                 missing.append(key)
             else:
                 hits.append((key[1], w))
-                if key not in self.pinned:
+                if self.capacity is not None and key not in self.pinned:  # no budget: nothing is evicted
                     self.policy.touch(key)
         stats.hits += len(hits)
         stats.misses += len(missing)
