@@ -98,7 +98,7 @@ def sizes(path: str) -> dict:
 
 def llama_cmd(binary: str, path: str, tokens: int, threads: int, mmap: bool) -> list[str]:
     return [binary, "-m", path, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json",
-            "--mmap", "1" if mmap else "0"]
+            "--load-mode", "mmap" if mmap else "none"]
 
 
 def s2moe_cmd(path: str, tokens: int, threads: int, expert_budget: str | None) -> list[str]:

@@ -26,6 +26,9 @@ from s2moe.runtime.model.forward import MoEModel
 from s2moe.runtime.model.routing import RoutingPolicy, route, softmax
 from s2moe.runtime.offload.store import ExpertStore
 
+# transformers comparisons: the NumPy reference path (conftest.reference_kernels)
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
 DEEPSEEK = ("deepseek_v2", "deepseek_v2_plain", "deepseek_v3")
 
 

@@ -19,6 +19,9 @@ from s2moe.runtime.model.formats.gguf_writer import write_gguf
 from s2moe.runtime.model.loader import load_model
 from s2moe.runtime.model.tokenizer import load_tokenizer
 
+# transformers comparisons: the NumPy reference path (conftest.reference_kernels)
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
 
 def _roundtrip_reference(torch_model, kind: str):
     """Copy of the model with weights as a GGUF of ``kind`` stores them (the writer's rules)."""

@@ -10,6 +10,9 @@ from helpers import TOL, check_prefill_decode_verify
 from s2moe.runtime.model.loader import load_model
 from s2moe.runtime.model.forward import MoEModel
 
+# transformers comparisons: the NumPy reference path (conftest.reference_kernels)
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 @pytest.mark.parametrize("family", tm.FAMILIES)
 def test_prefill_decode_and_verify_after_rollback(tiny_model_dirs, family, layout, rng):

@@ -198,6 +198,52 @@ done:
     return result;
 }
 
+/* attend(q, k, v, kcache, vcache, cos, sin, allowed, sinks|None, out, nh, nkv, D, start, scale, rope, interleave) */
+static PyObject *py_attend(PyObject *self, PyObject *args) {
+    PyObject *o[10];
+    long nh, nkv, D, start;
+    float scale;
+    int rope, interleave;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOllllfpp", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8],
+                          &o[9], &nh, &nkv, &D, &start, &scale, &rope, &interleave))
+        return NULL;
+    static const char kinds[10] = {'f', 'f', 'f', 'f', 'f', 'f', 'f', 'B', 'f', 'f'};
+    static const int writable[10] = {0, 0, 0, 1, 1, 0, 0, 0, 0, 1};
+    static const char *names[10] = {"q", "k", "v", "kcache", "vcache", "cos", "sin", "allowed", "sinks", "out"};
+    Py_buffer b[10];
+    memset(b, 0, sizeof(b));
+    PyObject *result = NULL;
+    for (int i = 0; i < 10; i++)
+        if (o[i] != Py_None && get_buf(o[i], &b[i], kinds[i], writable[i], names[i]) < 0) goto done;
+    if (nh <= 0 || nkv <= 0 || D <= 0 || D % 2 || nh % nkv || start < 0 || !b[0].buf) {
+        PyErr_SetString(PyExc_ValueError, "attend: bad head counts or head width");
+        goto done;
+    }
+    long T = (long)(b[0].len / 4 / (nh * D)), cap = (long)(b[3].len / 4 / (nkv * D)), S = start + T;
+    if (T <= 0 || b[0].len != (Py_ssize_t)T * nh * D * 4 || check_len(&b[1], (Py_ssize_t)T * nkv * D * 4, "k") < 0 ||
+        check_len(&b[2], (Py_ssize_t)T * nkv * D * 4, "v") < 0 || S > cap ||
+        b[3].len != (Py_ssize_t)cap * nkv * D * 4 || check_len(&b[4], b[3].len, "vcache") < 0 ||
+        check_len(&b[5], (Py_ssize_t)T * (D / 2) * 4, "cos") < 0 || check_len(&b[6], b[5].len, "sin") < 0 ||
+        check_len(&b[7], (Py_ssize_t)T * S, "allowed") < 0 || (b[8].buf && check_len(&b[8], nh * 4, "sinks") < 0) ||
+        check_len(&b[9], b[0].len, "out") < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "attend: sizes do not match");
+        goto done;
+    }
+    attn_args a = {b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, b[5].buf, b[6].buf, b[7].buf,
+                   b[8].buf, b[9].buf, T, nh, nkv, D, cap, start, scale, rope, interleave};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = op_attend(&a);
+    Py_END_ALLOW_THREADS if (rc) PyErr_NoMemory();
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    for (int i = 0; i < 10; i++)
+        if (b[i].obj) PyBuffer_Release(&b[i]);
+    return result;
+}
+
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     PyObject *xo, *wo, *oo;
     float eps;
@@ -253,6 +299,7 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(W, type, N, K, x, out, bias=None): out[T,N] = x[T,K] @ W.T (+bias)"},
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(W, type, N, K, ids int64, out): out = W[ids]"},
     {"moe", py_moe, METH_VARARGS, "moe(experts, I, H, x, out, act=0, alpha=1.702, limit=7): one layer's experts"},
+    {"attend", py_attend, METH_VARARGS, "attend(q, k, v, kcache, vcache, cos, sin, allowed, sinks, out, nh, nkv, D, start, scale, rope, interleave)"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): RMSNorm over rows of len(w)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n) -> threads in use (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads in use"},

@@ -25,6 +25,21 @@ int op_dequant_rows(int type, const uint8_t *W, long N, long K, const int64_t *i
 int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float *out, int act, float alpha,
            float limit);
 
+/* Grouped-query attention of T new tokens at positions start.. over one layer's KV cache. */
+typedef struct {
+    const float *q, *k, *v;       /* [T, nh*D], [T, nkv*D], [T, nkv*D] (before RoPE) */
+    float *kcache, *vcache;       /* [nkv, cap, D]: positions start..start+T-1 are written */
+    const float *cos, *sin;       /* [T, D/2] */
+    const uint8_t *allowed;       /* [T, start+T]: which slots each token sees */
+    const float *sinks;           /* [nh] or NULL: a logit that joins each head's normaliser */
+    float *out;                   /* [T, nh*D] */
+    long T, nh, nkv, D, cap, start;
+    float scale;
+    int rope, interleave;
+} attn_args;
+
+int op_attend(const attn_args *a);
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of n values (double accumulation). */
 void op_rms_norm(const float *x, const float *w, long rows, long n, float eps, float *out);
 

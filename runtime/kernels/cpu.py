@@ -70,6 +70,20 @@ class CpuOps(ReferenceOps):
         _cpu.rms_norm(x, np.ascontiguousarray(weight, dtype=np.float32), eps, out)
         return out
 
+    def attend(self, q, k, v, kv, L, start, cs, allowed, sinks, nh, nkv, D, scale, interleave):
+        """One C call for RoPE, the cache write and the attention of every head (decode and
+        verification: a few tokens against the cache, where NumPy's per-op cost dominated)."""
+        keys, values = kv.keys[L], kv.values[L]
+        cos, sin = cs
+        plain = all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (q, k, v, keys, values, cos, sin))
+        if not plain or keys.shape[-1] != D or values.shape[-1] != D or cos.shape[-1] * 2 != D:
+            return super().attend(q, k, v, kv, L, start, cs, allowed, sinks, nh, nkv, D, scale, interleave)
+        out = np.empty((q.shape[0], nh * D), dtype=np.float32)
+        _cpu.attend(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), keys, values,
+                    np.ascontiguousarray(cos), np.ascontiguousarray(sin), np.ascontiguousarray(allowed, dtype=np.bool_),
+                    _f32(sinks), out, nh, nkv, D, start, scale, True, bool(interleave))
+        return out
+
     def linear(self, x: np.ndarray, W, bias=None) -> np.ndarray:
         if not isinstance(W, StoredMatrix) or W.dtype == "F32":
             return super().linear(x, W, bias)

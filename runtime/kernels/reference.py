@@ -57,6 +57,12 @@ class ReferenceOps:
 
         return rms_norm(x, weight, eps)
 
+    def attend(self, q, k, v, kv, L, start, cs, allowed, sinks, nh, nkv, D, scale, interleave):
+        """RoPE, KV write and softmax attention of grouped-query heads (model/attention.py)."""
+        from ..model.attention import attend
+
+        return attend(q, k, v, kv, L, start, cs, allowed, sinks, nh, nkv, D, scale, interleave)
+
     def linear(self, x: np.ndarray, W, bias=None) -> np.ndarray:
         """x [T, K] @ W.T → [T, N] (+ bias)."""
         if not isinstance(W, StoredMatrix):

@@ -51,23 +51,34 @@ def gqa(c: ModelConfig, W: dict, ops, L: int, x: np.ndarray, start: int, kv: KVC
         k = ops.rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
     if c.clip_qkv is not None:
         q, k, v = (xp_of(a).clip(a, -c.clip_qkv, c.clip_qkv) for a in (q, k, v))
+    if c.qk_norm == "per_head":  # Qwen3: per head, after the split
+        q = ops.rms_norm(q.reshape(T * nh, D), W[p + "q_norm"], c.rms_norm_eps).reshape(T, nh * D)
+        k = ops.rms_norm(k.reshape(T * nkv, D), W[p + "k_norm"], c.rms_norm_eps).reshape(T, nkv * D)
+    sinks = W[p + "sinks"] if c.attention_sinks else None
+    out = ops.attend(q, k, v, kv, L, start, cs, allowed, sinks, nh, nkv, D, c.attn_scale, c.rope_interleave)
+    return _linear(ops, out, W, p + "o")
+
+
+def attend(q, k, v, kv: KVCache, L: int, start: int, cs, allowed, sinks, nh: int, nkv: int, D: int, scale: float,
+           interleave: bool) -> np.ndarray:
+    """The attention core on arrays (the reference path, host or device): RoPE on q and k, k and v
+    into the cache at [start, start + T), softmax(q · K / √d) over the slots ``allowed`` [T, S]
+    marks, with optional sinks, times V. q [T, nh·D], k and v [T, nkv·D] → [T, nh·D]."""
+    T = q.shape[0]
     q = q.reshape(T, nh, D).transpose(1, 0, 2)  # [nh, T, D]
     k = k.reshape(T, nkv, D).transpose(1, 0, 2)
     v = v.reshape(T, nkv, D).transpose(1, 0, 2)
-    if c.qk_norm == "per_head":  # Qwen3: per head, after the split
-        q = rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)
-    q, k = rope.apply(q, *cs, c.rope_interleave), rope.apply(k, *cs, c.rope_interleave)
+    q, k = rope.apply(q, *cs, interleave), rope.apply(k, *cs, interleave)
     kv.write(L, start, k, v)
     keys, values = kv.view(L, start + T)  # [nkv, S, D]
     S = start + T
     group = nh // nkv
     qg = q.reshape(nkv, group * T, D)  # heads sharing a kv head stacked on the query axis
-    scores = ((qg @ keys.transpose(0, 2, 1)) * c.attn_scale).reshape(nkv, group, T, S)
-    sinks = W[p + "sinks"].reshape(nkv, group, 1, 1) if c.attention_sinks else None
+    scores = ((qg @ keys.transpose(0, 2, 1)) * scale).reshape(nkv, group, T, S)
+    sinks = sinks.reshape(nkv, group, 1, 1) if sinks is not None else None
     probs = masked_softmax(scores, allowed, sinks).reshape(nkv, group * T, S)
     out = (probs @ values).reshape(nh, T, D)
-    return _linear(ops, out.transpose(1, 0, 2).reshape(T, nh * D), W, p + "o")
+    return out.transpose(1, 0, 2).reshape(T, nh * D)
 
 
 def mla(c: ModelConfig, W: dict, ops, L: int, x: np.ndarray, start: int, kv: KVCache, cs, allowed) -> np.ndarray:
