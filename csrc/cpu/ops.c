@@ -237,47 +237,37 @@ static void attn_part(void *p, int ith, int nth) {
     const long D = a->D, S = a->start + a->T, group = a->nh / a->nkv;
     long items = (long)a->nh * a->T, i0, i1;
     span(items, ith, nth, &i0, &i1);
-    double *scores = malloc(sizeof(double) * (size_t)S), *acc = malloc(sizeof(double) * (size_t)D);
-    if (!scores || !acc) {
-        free(scores);
-        free(acc);
-        return;
-    }
+    float *scores = malloc(sizeof(float) * (size_t)(S + D)), *acc = scores + S;
+    if (!scores) return;
     for (long it = i0; it < i1; it++) {
         long h = it / a->T, t = it % a->T, g = h / group;
         const float *q = j->qr + (size_t)t * a->nh * D + (size_t)h * D;
         const float *K = a->kcache + (size_t)g * a->cap * D, *V = a->vcache + (size_t)g * a->cap * D;
         const uint8_t *ok = a->allowed + (size_t)t * S;
-        /* double accumulation: the few hundred products of a decode step cost nothing, and the
-         * result sits closer to the exact value than either float32 ordering (ours or BLAS's) */
-        double top = -INFINITY;
-        for (long s = 0; s < S; s++) {
-            if (!ok[s]) continue;
-            const float *k = K + (size_t)s * D;
-            double dot = 0.0;
-            for (long d = 0; d < D; d++) dot += (double)q[d] * k[d];
-            scores[s] = dot * a->scale;
-            if (scores[s] > top) top = scores[s];
-        }
-        if (a->sinks && a->sinks[h] > top) top = a->sinks[h];
-        double total = a->sinks ? exp((double)a->sinks[h] - top) : 0.0;
+        /* q · K for every slot at once: the F32 row kernel (SIMD), then the mask */
+        float *ys[1] = {scores};
+        const float *xs[1] = {q};
+        rows_dot(T_F32, (const uint8_t *)K, (size_t)D * 4, D, 0, S, xs, ys, 1);
+        float top = -INFINITY;
         for (long s = 0; s < S; s++)
             if (ok[s]) {
-                scores[s] = exp(scores[s] - top);
-                total += scores[s];
+                scores[s] *= a->scale;
+                if (scores[s] > top) top = scores[s];
             }
-        for (long d = 0; d < D; d++) acc[d] = 0.0;
+        if (a->sinks && a->sinks[h] > top) top = a->sinks[h];
+        double total = a->sinks ? exp((double)a->sinks[h] - top) : 0.0;
+        for (long d = 0; d < D; d++) acc[d] = 0.0f;
         for (long s = 0; s < S; s++) {
             if (!ok[s]) continue;
-            const float *v = V + (size_t)s * D;
-            const double w = scores[s];
-            for (long d = 0; d < D; d++) acc[d] += w * v[d];
+            const float w = expf(scores[s] - top), *v = V + (size_t)s * D;
+            total += w;
+            for (long d = 0; d < D; d++) acc[d] += w * v[d]; /* vectorised by the compiler */
         }
         float *o = a->out + (size_t)t * a->nh * D + (size_t)h * D;
-        for (long d = 0; d < D; d++) o[d] = (float)(acc[d] / total);
+        const float inv = (float)(1.0 / total);
+        for (long d = 0; d < D; d++) o[d] = acc[d] * inv;
     }
     free(scores);
-    free(acc);
 }
 
 int op_attend(const attn_args *a) {
