@@ -52,112 +52,127 @@ INLINE_AVX2 float h2f(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 INLINE_AVX2 __m256 i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 INLINE_AVX2 __m256 u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 
-/* 32 consecutive weights (group g of the row) into w[0..3]. TYPE is a constant after inlining. */
-INLINE_AVX2 void load_group(const int TYPE, const uint8_t *row, long g, __m256 *w) {
-    switch (TYPE) {
-    case T_F32: {
+/* 32 consecutive weights of a plain row (F32, F16, BF16) into w[0..3]. */
+INLINE_AVX2 void load_plain(const int TYPE, const uint8_t *row, long g, __m256 *w) {
+    if (TYPE == T_F32) {
         const float *p = (const float *)row + 32 * g;
         for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps(p + 8 * i);
-        break;
-    }
-    case T_F16: {
+    } else if (TYPE == T_F16) {
         const __m128i *p = (const __m128i *)(row + 64 * g);
         for (int i = 0; i < 4; i++) w[i] = _mm256_cvtph_ps(_mm_loadu_si128(p + i));
-        break;
-    }
-    case T_BF16: {
+    } else {
         const __m128i *p = (const __m128i *)(row + 64 * g);
         for (int i = 0; i < 4; i++)
             w[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + i)), 16));
-        break;
     }
-    case T_Q8_0: {
+}
+
+/* A quantised group of 32: its codes as (unscaled) floats in w[0..3] and the affine map that
+ * turns Σ code·x into the group's share of the dot product: scale · Σ code·x + bias · Σ x. The
+ * scale is applied once per group instead of once per weight (Q4_0: scale d, bias −8d; Q4_K:
+ * scale d·sc, bias −dmin·m; Q8_0, MXFP4: bias 0). */
+INLINE_AVX2 void load_quant(const int TYPE, const uint8_t *row, long g, const float *q4k, __m256 *w, float *scale,
+                            float *bias) {
+    if (TYPE == T_Q8_0) {
         const uint8_t *b = row + 34 * g;
-        __m256 d = _mm256_set1_ps(h2f(b));
-        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, i8x8(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))));
-        break;
+        for (int i = 0; i < 4; i++) w[i] = i8x8(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i)));
+        *scale = h2f(b);
+        *bias = 0.0f;
+        return;
     }
-    case T_Q4_0: case T_MXFP4: {
-        const int bb = TYPE == T_Q4_0 ? 18 : 17, off = TYPE == T_Q4_0 ? 2 : 1;
-        const uint8_t *b = row + bb * g;
-        __m128i q = _mm_loadu_si128((const __m128i *)(b + off)), m4 = _mm_set1_epi8(0x0F);
-        __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
-        __m256 d;
-        if (TYPE == T_Q4_0) {
-            __m128i eight = _mm_set1_epi8(8);
-            lo = _mm_sub_epi8(lo, eight);
-            hi = _mm_sub_epi8(hi, eight);
-            d = _mm256_set1_ps(h2f(b));
-        } else {
-            __m128i table = _mm_loadu_si128((const __m128i *)KVALUES_MXFP4);
-            lo = _mm_shuffle_epi8(table, lo);
-            hi = _mm_shuffle_epi8(table, hi);
-            d = _mm256_set1_ps(e8m0_half(b[0]));
+    __m128i m4 = _mm_set1_epi8(0x0F), lo, hi;
+    if (TYPE == T_Q4_K) { /* group j of its super-block: bytes 32·(j/2).., low or high nibbles */
+        const uint8_t *qs = row + 144 * (g >> 3) + 16 + 32 * ((g & 7) >> 1);
+        __m128i q0 = _mm_loadu_si128((const __m128i *)qs), q1 = _mm_loadu_si128((const __m128i *)(qs + 16));
+        if (g & 1) {
+            q0 = _mm_srli_epi16(q0, 4);
+            q1 = _mm_srli_epi16(q1, 4);
         }
-        w[0] = _mm256_mul_ps(d, i8x8(lo));
-        w[1] = _mm256_mul_ps(d, i8x8(_mm_srli_si128(lo, 8)));
-        w[2] = _mm256_mul_ps(d, i8x8(hi));
-        w[3] = _mm256_mul_ps(d, i8x8(_mm_srli_si128(hi, 8)));
-        break;
+        lo = _mm_and_si128(q0, m4);
+        hi = _mm_and_si128(q1, m4);
+        *scale = q4k[2 * (g & 7)];
+        *bias = q4k[2 * (g & 7) + 1];
+        w[0] = u8x8(lo);
+        w[1] = u8x8(_mm_srli_si128(lo, 8));
+        w[2] = u8x8(hi);
+        w[3] = u8x8(_mm_srli_si128(hi, 8));
+        return;
     }
-    case T_Q4_K: /* see q4k_group: needs the super-block's decoded scales */
-        break;
+    const uint8_t *b = row + (TYPE == T_Q4_0 ? 18 : 17) * g;
+    __m128i q = _mm_loadu_si128((const __m128i *)(b + (TYPE == T_Q4_0 ? 2 : 1)));
+    lo = _mm_and_si128(q, m4); /* elements 0-15 */
+    hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4); /* elements 16-31 */
+    if (TYPE == T_MXFP4) {
+        __m128i table = _mm_loadu_si128((const __m128i *)KVALUES_MXFP4);
+        lo = _mm_shuffle_epi8(table, lo);
+        hi = _mm_shuffle_epi8(table, hi);
+        *scale = e8m0_half(b[0]);
+        *bias = 0.0f;
+        w[0] = i8x8(lo);
+        w[1] = i8x8(_mm_srli_si128(lo, 8));
+        w[2] = i8x8(hi);
+        w[3] = i8x8(_mm_srli_si128(hi, 8));
+        return;
     }
+    *scale = h2f(b); /* Q4_0: code − 8 */
+    *bias = -8.0f * *scale;
+    w[0] = u8x8(lo);
+    w[1] = u8x8(_mm_srli_si128(lo, 8));
+    w[2] = u8x8(hi);
+    w[3] = u8x8(_mm_srli_si128(hi, 8));
 }
 
-/* Q4_K group j (0..7) of super-block b, with its scale and negated min already decoded. */
-INLINE_AVX2 void q4k_group(const uint8_t *b, int j, float scale_f, float neg_min_f, __m256 *w) {
-    __m256 scale = _mm256_set1_ps(scale_f), neg_min = _mm256_set1_ps(neg_min_f);
-    const uint8_t *qs = b + 16 + 32 * (j >> 1);
-    __m128i q0 = _mm_loadu_si128((const __m128i *)qs), q1 = _mm_loadu_si128((const __m128i *)(qs + 16));
-    __m128i m4 = _mm_set1_epi8(0x0F);
-    if (j & 1) {
-        q0 = _mm_srli_epi16(q0, 4);
-        q1 = _mm_srli_epi16(q1, 4);
-    }
-    q0 = _mm_and_si128(q0, m4);
-    q1 = _mm_and_si128(q1, m4);
-    w[0] = _mm256_fmadd_ps(u8x8(q0), scale, neg_min);
-    w[1] = _mm256_fmadd_ps(u8x8(_mm_srli_si128(q0, 8)), scale, neg_min);
-    w[2] = _mm256_fmadd_ps(u8x8(q1), scale, neg_min);
-    w[3] = _mm256_fmadd_ps(u8x8(_mm_srli_si128(q1, 8)), scale, neg_min);
-}
+#define IS_PLAIN(TYPE) ((TYPE) == T_F32 || (TYPE) == T_F16 || (TYPE) == T_BF16)
+#define HAS_BIAS(TYPE) ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_K)
 
-/* One row against NB (1..4) tokens; two partial sums per token keep two FMA chains busy. */
+/* One row against NB (1..4) tokens. Plain types: two partial sums per token keep two FMA chains
+ * busy. Quantised types: Σ code·x per group (chains independent across groups), then one FMA with
+ * the group's scale; the bias term uses the token's precomputed group sums of x. */
 INLINE_AVX2 void row_tmpl(const int TYPE, const int NB, const uint8_t *row, long K, const float *const *xs,
-                          float *const *ys, long r) {
+                          const float *const *xsum, float *const *ys, long r) {
     const long G = K / 32;
     __m256 a[4][2];
+    float bsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float q4k[16];
     for (int t = 0; t < NB; t++) a[t][0] = a[t][1] = _mm256_setzero_ps();
-    float q4k_scale[8], q4k_min[8];
     for (long g = 0; g < G; g++) {
         __m256 w[4];
-        if (TYPE == T_Q4_K) {
-            const uint8_t *b = row + 144 * (g >> 3);
-            int j = (int)(g & 7);
-            if (j == 0) { /* decode the super-block's 8 scales and mins once */
-                float d = h2f(b), dmin = h2f(b + 2);
-                for (int i = 0; i < 8; i++) {
-                    uint8_t sc, m;
-                    q4k_scale_min(i, b + 4, &sc, &m);
-                    q4k_scale[i] = d * sc;
-                    q4k_min[i] = -dmin * m;
-                }
+        if (IS_PLAIN(TYPE)) {
+            load_plain(TYPE, row, g, w);
+            for (int t = 0; t < NB; t++) {
+                const float *x = xs[t] + 32 * g;
+                a[t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), a[t][0]);
+                a[t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), a[t][1]);
+                a[t][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), a[t][0]);
+                a[t][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), a[t][1]);
             }
-            q4k_group(b, j, q4k_scale[j], q4k_min[j], w);
-        } else {
-            load_group(TYPE, row, g, w);
+            continue;
         }
+        if (TYPE == T_Q4_K && (g & 7) == 0) { /* a new super-block: decode its 8 scales and mins once */
+            const uint8_t *b = row + 144 * (g >> 3);
+            float d = h2f(b), dmin = h2f(b + 2);
+            for (int i = 0; i < 8; i++) {
+                uint8_t sc, m;
+                q4k_scale_min(i, b + 4, &sc, &m);
+                q4k[2 * i] = d * sc;
+                q4k[2 * i + 1] = -dmin * m;
+            }
+        }
+        float scale, bias;
+        load_quant(TYPE, row, g, q4k, w, &scale, &bias);
+        const __m256 vs = _mm256_set1_ps(scale);
         for (int t = 0; t < NB; t++) {
             const float *x = xs[t] + 32 * g;
-            a[t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), a[t][0]);
-            a[t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), a[t][1]);
-            a[t][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), a[t][0]);
-            a[t][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), a[t][1]);
+            __m256 lo = _mm256_mul_ps(w[0], _mm256_loadu_ps(x)), hi = _mm256_mul_ps(w[1], _mm256_loadu_ps(x + 8));
+            lo = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), lo);
+            hi = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), hi);
+            a[t][0] = _mm256_fmadd_ps(vs, lo, a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(vs, hi, a[t][1]);
+            if (HAS_BIAS(TYPE)) bsum[t] += bias * xsum[t][g];
         }
     }
     for (int t = 0; t < NB; t++) {
-        float s = hsum(_mm256_add_ps(a[t][0], a[t][1]));
+        float s = hsum(_mm256_add_ps(a[t][0], a[t][1])) + bsum[t];
         for (long k = 32 * G; k < K; k++) { /* plain types only: quantised rows are whole groups */
             float wk = TYPE == T_F32   ? ((const float *)row)[k]
                        : TYPE == T_F16 ? f16_to_f32(rd16(row + 2 * k))
@@ -171,15 +186,15 @@ INLINE_AVX2 void row_tmpl(const int TYPE, const int NB, const uint8_t *row, long
 /* Rows outside, tokens inside: each row is read from memory once for the whole batch. */
 #define ROWS_FN(NAME, TYPE)                                                                         \
     AVX2 static void NAME(const uint8_t *W, size_t rb, long K, long r0, long r1, const float *const *xs, \
-                          float *const *ys, int nb) {                                               \
+                          const float *const *xsum, float *const *ys, int nb) {                     \
         for (long r = r0; r < r1; r++) {                                                            \
             const uint8_t *row = W + (size_t)r * rb;                                                \
             int t = 0;                                                                              \
-            for (; t + 4 <= nb; t += 4) row_tmpl(TYPE, 4, row, K, xs + t, ys + t, r);              \
+            for (; t + 4 <= nb; t += 4) row_tmpl(TYPE, 4, row, K, xs + t, xsum + t, ys + t, r);    \
             switch (nb - t) {                                                                       \
-            case 1: row_tmpl(TYPE, 1, row, K, xs + t, ys + t, r); break;                            \
-            case 2: row_tmpl(TYPE, 2, row, K, xs + t, ys + t, r); break;                            \
-            case 3: row_tmpl(TYPE, 3, row, K, xs + t, ys + t, r); break;                            \
+            case 1: row_tmpl(TYPE, 1, row, K, xs + t, xsum + t, ys + t, r); break;                  \
+            case 2: row_tmpl(TYPE, 2, row, K, xs + t, xsum + t, ys + t, r); break;                  \
+            case 3: row_tmpl(TYPE, 3, row, K, xs + t, xsum + t, ys + t, r); break;                  \
             }                                                                                       \
         }                                                                                           \
     }
@@ -192,17 +207,39 @@ ROWS_FN(rows_q4_0, T_Q4_0)
 ROWS_FN(rows_mxfp4, T_MXFP4)
 ROWS_FN(rows_q4_k, T_Q4_K)
 
+/* Σ x over each group of 32, per token (the bias term of Q4_0 / Q4_K). */
+AVX2 static void group_sums(const float *x, long G, float *out) {
+    for (long g = 0; g < G; g++) {
+        const float *p = x + 32 * g;
+        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+        out[g] = hsum(s);
+    }
+}
+
 static void rows_dot_avx2(int type, const uint8_t *W, size_t rb, long K, long r0, long r1,
                           const float *const *xs, float *const *ys, int nb) {
-    switch (type) {
-    case T_F32: rows_f32(W, rb, K, r0, r1, xs, ys, nb); break;
-    case T_F16: rows_f16(W, rb, K, r0, r1, xs, ys, nb); break;
-    case T_BF16: rows_bf16(W, rb, K, r0, r1, xs, ys, nb); break;
-    case T_Q8_0: rows_q8_0(W, rb, K, r0, r1, xs, ys, nb); break;
-    case T_Q4_0: rows_q4_0(W, rb, K, r0, r1, xs, ys, nb); break;
-    case T_MXFP4: rows_mxfp4(W, rb, K, r0, r1, xs, ys, nb); break;
-    case T_Q4_K: rows_q4_k(W, rb, K, r0, r1, xs, ys, nb); break;
+    const float *sums[nb > 0 ? nb : 1];
+    float *buf = NULL;
+    if (type == T_Q4_0 || type == T_Q4_K) {
+        long G = K / 32;
+        buf = malloc(sizeof(float) * (size_t)(nb * G));
+        if (!buf) return;
+        for (int t = 0; t < nb; t++) {
+            group_sums(xs[t], G, buf + t * G);
+            sums[t] = buf + t * G;
+        }
     }
+    switch (type) {
+    case T_F32: rows_f32(W, rb, K, r0, r1, xs, sums, ys, nb); break;
+    case T_F16: rows_f16(W, rb, K, r0, r1, xs, sums, ys, nb); break;
+    case T_BF16: rows_bf16(W, rb, K, r0, r1, xs, sums, ys, nb); break;
+    case T_Q8_0: rows_q8_0(W, rb, K, r0, r1, xs, sums, ys, nb); break;
+    case T_Q4_0: rows_q4_0(W, rb, K, r0, r1, xs, sums, ys, nb); break;
+    case T_MXFP4: rows_mxfp4(W, rb, K, r0, r1, xs, sums, ys, nb); break;
+    case T_Q4_K: rows_q4_k(W, rb, K, r0, r1, xs, sums, ys, nb); break;
+    }
+    free(buf);
 }
 #endif
 
