@@ -45,7 +45,11 @@ def gqa(c: ModelConfig, W: dict, ops, L: int, x: np.ndarray, start: int, kv: KVC
     T = x.shape[0]
     nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
     p = f"layers.{L}."
-    q, k, v = _linear(ops, x, W, p + "q"), _linear(ops, x, W, p + "k"), _linear(ops, x, W, p + "v")
+    if p + "qkv" in W:  # one product for the three projections (model/dense.py joins them)
+        qkv = _linear(ops, x, W, p + "qkv")
+        q, k, v = qkv[:, :nh * D], qkv[:, nh * D:(nh + nkv) * D], qkv[:, (nh + nkv) * D:]
+    else:
+        q, k, v = _linear(ops, x, W, p + "q"), _linear(ops, x, W, p + "k"), _linear(ops, x, W, p + "v")
     if c.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
         q = ops.rms_norm(q, W[p + "q_norm"], c.rms_norm_eps)
         k = ops.rms_norm(k, W[p + "k_norm"], c.rms_norm_eps)

@@ -93,7 +93,9 @@ def largest(specs: dict[str, DenseSpec]) -> int:
 
 
 def load(specs: dict[str, DenseSpec], reader) -> dict[str, StoredMatrix | np.ndarray]:
-    """Read and build every tensor; a tied head shares the embedding's object."""
+    """Read and build every tensor; a tied head shares the embedding's object. A layer's q, k and
+    v projections of one type are joined into one matrix, ``layers.L.qkv`` (one kernel call per
+    layer instead of three); the three names stay as views of its rows."""
     built: dict[int, object] = {}
     out = {}
     for name, spec in specs.items():
@@ -101,4 +103,22 @@ def load(specs: dict[str, DenseSpec], reader) -> dict[str, StoredMatrix | np.nda
             built[id(spec)] = build(spec, lambda ref: reader.read(ref.path, ref.offset, ref.nbytes,
                                                                   f"tensor {ref.name}"))
         out[name] = built[id(spec)]
+        if name.endswith(".v"):
+            _join_qkv(out, name[:-1])
     return out
+
+
+def _join_qkv(out: dict, prefix: str) -> None:
+    parts = [out.get(prefix + n) for n in ("q", "k", "v")]
+    if not all(isinstance(m, StoredMatrix) for m in parts) or len({(m.dtype, m.shape[1]) for m in parts}) > 1:
+        return
+    joined = np.empty(sum(m.nbytes for m in parts), dtype=np.uint8)  # the three buffers are freed after
+    at = 0
+    for name, m in zip("qkv", parts):
+        joined[at:at + m.nbytes] = m.data
+        out[prefix + name] = StoredMatrix(joined[at:at + m.nbytes], m.dtype, m.shape)
+        at += m.nbytes
+    out[prefix + "qkv"] = StoredMatrix(joined, parts[0].dtype, (sum(m.shape[0] for m in parts), parts[0].shape[1]))
+    biases = [out.get(prefix + n + "_bias") for n in ("q", "k", "v")]
+    if all(b is not None for b in biases):
+        out[prefix + "qkv_bias"] = np.concatenate(biases)

@@ -67,7 +67,8 @@ class MoEModel:
         # head is the embedding itself, uploaded once
         dense = loaded.load_dense()
         self.W = dense
-        if backend.on_device:
+        if backend.on_device:  # (not the joined q/k/v: the device multiplies the three separately)
+            dense = {k: v for k, v in dense.items() if not k.endswith((".qkv", ".qkv_bias"))}
             uploaded: dict[int, object] = {}
             for v in dense.values():
                 if id(v) not in uploaded:
@@ -121,15 +122,25 @@ class MoEModel:
         resident experts are computed first, in one kernel call, while missing ones are read;
         then each group of fetched experts as it arrives."""
         dev = self.backend.to_device
-        flat = experts.ravel()
-        order = np.argsort(flat, kind="stable")
-        order = order[flat[order] >= 0]  # -1: a choice the policy dropped
-        ids, starts = np.unique(flat[order], return_index=True)
-        bounds = np.append(starts, order.size)
-        token_of = (order // experts.shape[1]).astype(np.int32)
-        weight_of = weights.ravel()[order].astype(np.float32)
-        rows = {int(e): (dev(token_of[bounds[i]:bounds[i + 1]]), dev(weight_of[bounds[i]:bounds[i + 1]]))
-                for i, e in enumerate(ids)}
+        if experts.size <= 64:  # decode and verification: plain Python beats NumPy's per-call cost
+            found: dict[int, tuple[list, list]] = {}
+            for t, (row_e, row_w) in enumerate(zip(experts.tolist(), weights.tolist())):
+                for e, w in zip(row_e, row_w):
+                    if e >= 0:  # -1: a choice the policy dropped
+                        found.setdefault(e, ([], []))[0].append(t)
+                        found[e][1].append(w)
+            rows = {e: (dev(np.array(ts, np.int32)), dev(np.array(ws, np.float32)))
+                    for e, (ts, ws) in sorted(found.items())}
+        else:
+            flat = experts.ravel()
+            order = np.argsort(flat, kind="stable")
+            order = order[flat[order] >= 0]  # -1: a choice the policy dropped
+            ids, starts = np.unique(flat[order], return_index=True)
+            bounds = np.append(starts, order.size)
+            token_of = (order // experts.shape[1]).astype(np.int32)
+            weight_of = weights.ravel()[order].astype(np.float32)
+            rows = {int(e): (dev(token_of[bounds[i]:bounds[i + 1]]), dev(weight_of[bounds[i]:bounds[i + 1]]))
+                    for i, e in enumerate(ids)}
         out = xp_of(x).zeros_like(x)
         stream = getattr(self.experts, "stream", None)
         groups = stream(L, list(rows)) if stream else [list(zip(rows, self.experts.get(L, list(rows))))]
