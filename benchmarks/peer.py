@@ -14,9 +14,11 @@ both alike), 2 threads each:
 - uncapped: llama.cpp (mmap, its default) and s2moe with every expert resident;
 - capped: each program alone in a memory cgroup of its own non-model baseline + the dense part's
   stored bytes + 25 % of the experts' stored bytes, the file's page cache dropped before every run.
-  llama.cpp runs with mmap (the page cache is its expert cache) and with --no-mmap (which must load
-  the whole model); s2moe with --expert-budget 0.25.
-A program's non-model baseline is measured uncapped: its peak (cgroup) minus the model bytes it held.
+  llama.cpp runs with mmap (the page cache is its expert cache) and with --load-mode none (which
+  must load the whole model); s2moe with --budget = the cap less its baseline (its plan fits dense
+  part, KV, workspace and as many experts as remain: a little under 25 %).
+A program's non-model baseline is measured uncapped: its peak (cgroup) minus the model bytes it held
+(llama.cpp's from its mmap run: with --no-mmap its buffered read also charges the file's pages).
 
 Results: a table on stderr, JSON and CSV in docs/results/peer.*; docs/performance.md quotes them.
 """
@@ -101,10 +103,10 @@ def llama_cmd(binary: str, path: str, tokens: int, threads: int, mmap: bool) -> 
             "--load-mode", "mmap" if mmap else "none"]
 
 
-def s2moe_cmd(path: str, tokens: int, threads: int, expert_budget: str | None) -> list[str]:
+def s2moe_cmd(path: str, tokens: int, threads: int, budget: int | None) -> list[str]:
     cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", path, "--prompt", PROMPT, "-n", str(tokens),
            "--method", "ar", "--temperature", "0", "--threads", str(threads), "--json", "--ignore-eos"]
-    return cmd + (["--expert-budget", expert_budget] if expert_budget else [])
+    return cmd + (["--budget", str(budget)] if budget else [])
 
 
 def run(cmd: list[str], limit: int | None, drop: str | None) -> tuple[float | None, int | None, str]:
@@ -130,7 +132,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--share", default="0.25", help="expert share under the cap")
+    ap.add_argument("--share", default="0.25", help="expert share in the cap formula")
     ap.add_argument("--settings", default="uncapped,capped")
     ap.add_argument("--out", default="docs/results/peer")
     args = ap.parse_args()
@@ -149,23 +151,26 @@ def main() -> None:
         # each program's non-model baseline: uncapped peak minus the model bytes it held (all of them)
         baseline = {}
         for name, cmd in programs.items():
+            if name == "llama.cpp no-mmap":  # its buffered read also fills the page cache: the
+                continue  # non-model part is the mmap run's (same program, same buffers)
             _, peak, outcome = run(cmd, None, path)
             held = size["file"] if name != "s2moe" else size["dense_stored"] + size["expert_stored"]
             baseline[name] = max(peak - held, 0) if peak else 0
             print(f"{kind} {name}: uncapped peak {peak >> 20} MiB, baseline {baseline[name] >> 20} MiB ({outcome})",
                   file=sys.stderr)
+        baseline["llama.cpp no-mmap"] = baseline["llama.cpp mmap"]
         share = float(args.share)
         for setting in args.settings.split(","):
             capped = setting == "capped"
             cmds = dict(programs)
-            if capped:
-                cmds["s2moe"] = s2moe_cmd(path, args.tokens, args.threads, args.share)
+            limits = {n: baseline[n] + size["dense_stored"] + int(share * size["expert_stored"]) for n in cmds}
+            if capped:  # told the memory it has (the cap less its baseline), s2moe plans within it
+                cmds["s2moe"] = s2moe_cmd(path, args.tokens, args.threads, limits["s2moe"] - baseline["s2moe"])
             else:
                 cmds.pop("llama.cpp no-mmap")  # uncapped: llama.cpp's default (mmap) is the reference
             samples = {n: [] for n in cmds}
             peaks = {n: [] for n in cmds}
             outcomes = {n: [] for n in cmds}
-            limits = {n: baseline[n] + size["dense_stored"] + int(share * size["expert_stored"]) for n in cmds}
             for _ in range(args.reps):  # alternating: every program once per round
                 for name, cmd in cmds.items():
                     tps, peak, outcome = run(cmd, limits[name] if capped else None, path if capped else None)

@@ -81,6 +81,7 @@ def run(
                                              if chosen.profile is not None else None),
                               expert_budget=expert_budget, kernels=kernels, threads=threads, preload=True,
                               budget_from=chosen.budget_from, trim_hot=chosen.trim_hot,
+                              prefetch_slots=0 if spec.admit == "none" or not settings.prefetch else None,
                               batch=max(len(ids) if len(ids) < 64 else 64, 1 + 2 * settings.draft_cap))
         if engine.model.ops.reason.startswith("auto: the compiled"):
             err.print(f"[yellow]note: {engine.model.ops.reason}; running on NumPy[/yellow]")
