@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from s2moe.runtime.cli.common import err, print_json
+from s2moe.runtime.cli.common import print_json, say
 from s2moe.runtime.cli.errors import cli_errors
 
 MIB = 1 << 20
@@ -44,7 +44,7 @@ def fit(
             prof = load_profile(profile_path)
             prof.data["cost_model"].update(fitted)
             save_profile(profile_path, prof.data)
-            err.print(f"updated {profile_path}")
+            say(f"updated {profile_path}")
         if json_out:
             print_json(fitted)
         else:
@@ -87,4 +87,4 @@ def export(
             print_json(flags)
         else:
             print(" ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items()))  # plain: no wrapping
-        err.print(f"hot list ({len(hot)} experts) written to {target}")
+        say(f"hot list ({len(hot)} experts) written to {target}")

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from s2moe import __version__
 from s2moe.runtime.offload.memory import Budget, plan_memory
-from s2moe.runtime.cli.common import err, print_json, resolve_model
+from s2moe.runtime.cli.common import err, print_json, resolve_model, say
 from s2moe.runtime.cli.errors import cli_errors
 from s2moe.runtime.cli.spec_options import default_draft_topk
 from s2moe.runtime.decoding.cost_model import FEATURES, VerificationCostModel
@@ -71,7 +71,7 @@ def _resumable(samples_path: str, fresh: dict) -> dict:
     if not same:
         raise UsageError(f"{samples_path}: samples were taken for another model, device, budget or slow tier; "
                          "run without --resume")
-    err.print(f"resuming from {samples_path}: {', '.join(k for k in old if k not in fresh)} already measured")
+    say(f"resuming from {samples_path}: {', '.join(k for k in old if k not in fresh)} already measured")
     return old
 
 
@@ -312,11 +312,11 @@ def profile(
                                backend=backend)
         except KeyboardInterrupt:
             samples_path = os.path.splitext(target)[0] + ".samples.json"
-            err.print(f"interrupted: {target} is unchanged; samples so far are in {samples_path}; "
+            say(f"interrupted: {target} is unchanged; samples so far are in {samples_path}; "
                       "continue with --resume")
             raise
         save_profile(target, data)
         err.print(summary_table(data))
-        err.print(f"wrote {target} (samples beside it); next: s2moe-calib validate --profile {target}")
+        say(f"wrote {target} (samples beside it); next: s2moe-calib validate --profile {target}")
         if json_out:
             print_json(data)

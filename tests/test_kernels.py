@@ -281,3 +281,19 @@ def test_attention_matches_the_reference(sinks, interleave, rng):
     assert rel_err(outs[0], outs[1]) <= REL
     np.testing.assert_allclose(caches[0][1].keys[0], caches[1][1].keys[0], atol=1e-6)  # rotated keys written
     np.testing.assert_array_equal(caches[0][1].values[0], caches[1][1].values[0])
+
+
+def test_run_without_the_extension_says_so_in_one_line_and_uses_numpy():
+    """A user whose install could not compile the kernels still decodes: one note, NumPy path."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['s2moe._cpu'] = None\n"  # as if the build had failed
+            "from s2moe.runtime.cli import main\n"
+            "sys.argv = ['s2moe', 'run', '-p', 'def f(x):', '-n', '4', '--method', 'ar', '--json']\nmain()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if "compiled CPU kernels are missing" in line]
+    assert len(notes) == 1 and "running on NumPy" in notes[0]
+    assert json.loads(r.stdout)["stats"]["offload"]["kernels"]["name"] == "numpy"

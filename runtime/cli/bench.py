@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .common import err, resolve_model
+from .common import err, resolve_model, say
 from .errors import cli_errors
 
 
@@ -60,7 +60,7 @@ def bench(
         from ..kernels.backend import select_backend
 
         arrays = select_backend(backend)
-        err.print(f"[dim]backend {arrays.name} ({arrays.reason})[/dim]")
+        say(f"backend {arrays.name} ({arrays.reason})", "dim")
         loaded = load_model(resolve_model(model), dense=False)
         tok = load_tokenizer(loaded)
         chosen = apply_profile(profile, loaded, budget, None)

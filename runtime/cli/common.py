@@ -11,9 +11,16 @@ from rich.console import Console
 
 from ..errors import UsageError
 
-# stdout stays parseable (generated text, JSON); tables, progress and hints go to stderr.
-err = Console(stderr=True, highlight=False)
-out = Console(highlight=False)
+# stdout stays parseable (generated text, JSON); tables, progress and hints go to stderr. Lines are
+# never hard-wrapped (soft_wrap): redirected output keeps a number next to its unit.
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True)
+
+
+def say(message: str, style: str | None = None) -> None:
+    """One line on stderr, styled as a whole. The text is never read as markup: paths, reasons and
+    hints such as ``pip install 's2moe[cuda]'`` print as written."""
+    err.print(message, style=style, markup=False)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL = ASSETS / "default-moe"

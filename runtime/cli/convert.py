@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .common import err, resolve_model
+from .common import resolve_model, say
 from .errors import cli_errors
 
 
@@ -30,4 +30,4 @@ def convert(
         loaded = load_model(resolve_model(model), dense=False)  # the writer reads one tensor at a time
         store = ExpertStore(loaded)
         write_gguf(loaded, out_path, store.read, tensor_type, expert_type, split_experts, loaded.tokenizer_path)
-        err.print(f"wrote {out_path}")
+        say(f"wrote {out_path}")

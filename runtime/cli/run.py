@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import err, print_json, resolve_model
+from .common import err, print_json, resolve_model, say
 from .errors import cli_errors
 
 
@@ -84,14 +84,14 @@ def run(
                               prefetch_slots=0 if spec.admit == "none" or not settings.prefetch else None,
                               batch=max(len(ids) if len(ids) < 64 else 64, 1 + 2 * settings.draft_cap))
         if engine.model.ops.reason.startswith("auto: the compiled"):
-            err.print(f"[yellow]note: {engine.model.ops.reason}; running on NumPy[/yellow]")
+            say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")
         if engine.emulation.active:
-            err.print(f"[yellow]{engine.emulation.describe()}: timings are not this machine's[/yellow]")
+            say(f"{engine.emulation.describe()}: timings are not this machine's", "yellow")
         costs = chosen.profile.costs if chosen.profile is not None else None
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
             costs = estimate_costs(engine.model, ids, settings_policy(settings))
-            err.print(f"[dim]no --profile: estimated cost constants at start-up from timed passes: "
-                      f"{describe_costs(costs)}[/dim]")
+            say(f"no --profile: estimated cost constants at start-up from timed passes: "
+                      f"{describe_costs(costs)}", "dim")
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), params)
         stream = _Streamer(tok) if not json_out else None
         stop_ids = () if ignore_eos else loaded.config.eos_token_ids
@@ -155,15 +155,15 @@ def print_summary(stats: dict) -> None:
     if stats.get("verifications"):
         spec = (f" · acceptance length {stats['acceptance_length']:.2f} · accepted {stats['acceptance_rate'] or 0:.0%}"
                 f" · reuse ratio {stats['reuse_ratio'] or 0:.2f}")
-    err.print(
-        f"[dim]{stats['method']} · prompt {stats['prompt_tokens']} tok · generated {stats['generated_tokens']} tok · "
+    say(f"{stats['method']} · prompt {stats['prompt_tokens']} tok · generated {stats['generated_tokens']} tok · "
         f"prefill {stats['prefill_ms']:.1f} ms · decode {stats['decode_tokens_per_s']:.1f} tok/s{spec} · "
         f"stop: {stats['stop_reason']} · budget {off['budget']} · peak experts "
         f"{fmt_bytes(cache['peak_resident_bytes'])} · {cache['policy']} · backend {stats['backend']['name']} "
-        f"({stats['backend']['reason']})[/dim]"
-        + (f" · [yellow]{off['emulation']}[/yellow]" if "emulation" in off else "")
-    )
-    err.print("[dim]" + memory_line(off["memory"], off["measured"]) + "[/dim]")
+        f"({stats['backend']['reason']}) · kernels {off['kernels']['name']} ({off['kernels']['path']}, "
+        f"{off['kernels']['threads']} threads)", "dim")
+    if "emulation" in off:
+        say(off["emulation"], "yellow")
+    say(memory_line(off["memory"], off["measured"]), "dim")
     table = Table(title="expert cache by phase", title_style="dim")
     for col in ("phase", "hits", "misses", "hit rate", "read", "fetch s", "MB/s", "experts/pass"):
         table.add_column(col, justify="right")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..decoding.methods import SpecSettings, parse_draft_topk
-from .common import err
+from .common import say
 
 DEFAULTS = {"draft_cap": 8, "utility_threshold": 1.0}
 
@@ -57,8 +57,8 @@ def apply_profile(profile_path: str | None, loaded, budget: str | None, hot_expe
         if prof.data["model"].get("fingerprint_policy") == "refuse":
             raise ProfileError(f"{profile_path}: made for model {prof.data['model']['name']}, not {loaded.path}; "
                                "run s2moe-calib profile for this model")
-        err.print(f"[yellow]warning: {profile_path} was made for {prof.data['model']['name']}, not this model: using "
-                  "its cost constants and settings, ignoring its hot-expert list[/yellow]")
+        say(f"warning: {profile_path} was made for {prof.data['model']['name']}, not this model: using "
+                  "its cost constants and settings, ignoring its hot-expert list", "yellow")
     elif hot is None and prof.hot_experts:
         from ..checks import expert_pairs
 

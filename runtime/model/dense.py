@@ -66,7 +66,7 @@ def build(spec: DenseSpec, read) -> StoredMatrix | np.ndarray:
         (k_ref, v_ref), (k_raw, v_raw) = spec.refs, raws
         k_b = decode_array(k_ref.dtype, k_ref.shape, k_raw, where)  # [nh, r, dn]
         v_b = decode_array(v_ref.dtype, v_ref.shape, v_raw, where)  # [nh, dv, r]
-        nh, r = k_b.shape[0], k_b.shape[1]
+        r = k_b.shape[1]
         return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, r))
     if spec.keeps_stored:
         w = StoredMatrix(raws[0], ref.dtype, tuple(ref.shape))

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import rope
-from .attention import ATTENTION, rms_norm
+from .attention import ATTENTION
 from ..kernels import ExpertAct, select_ops
 from ..kernels.backend import NUMPY, Backend, xp_of
 from ..kernels.reference import silu

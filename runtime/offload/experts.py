@@ -104,7 +104,7 @@ def assemble(layout: str, parts: dict[str, tuple[TensorRef, np.ndarray]]) -> Exp
 
 
 def _mxfp4(blocks: tuple[TensorRef, np.ndarray], scales: tuple[TensorRef, np.ndarray]) -> StoredMatrix:
-    (bref, braw), (sref, sraw) = blocks, scales
+    (_, braw), (sref, sraw) = blocks, scales
     rows, groups = sref.shape
     packed = hf_to_ggml_blocks(braw.reshape(rows, groups, 16), sraw.reshape(rows, groups))
     return StoredMatrix(packed.reshape(-1), "MXFP4", (rows, groups * 32))
