@@ -108,8 +108,10 @@ def build_engine(
     if offload_tier not in OFFLOAD_TIERS:
         raise UsageError(f"--offload-tier {offload_tier!r}: choose from {', '.join(OFFLOAD_TIERS)}")
     ops = select_ops(kernels, threads, backend)
-    # the fast tier lives where the math runs: on a device its experts are float32 (for now)
-    size_of = (lambda refs: refs.float32_bytes) if backend.on_device else (lambda refs: refs.resident_bytes_for(direct_io))
+    # the fast tier lives where the math runs, at stored size on the host (page-rounded under
+    # O_DIRECT) and on a device (exact allocations)
+    size_of = (lambda refs: refs.resident_bytes_for(False)) if backend.on_device else \
+        (lambda refs: refs.resident_bytes_for(direct_io))
     window = 4
     everything = parsed.full and experts_only is None
     slots = (0 if everything else 2 * loaded.config.top_k) if prefetch_slots is None else prefetch_slots

@@ -131,10 +131,12 @@ def _make_module() -> types.ModuleType:
         return call
 
     for name in ("empty", "zeros", "zeros_like", "empty_like", "where", "exp", "mean", "sqrt", "maximum", "minimum", "clip",
-                 "concatenate", "ascontiguousarray"):
+                 "concatenate", "ascontiguousarray", "stack"):
         setattr(m, name, delegate(name))
     m.asarray, m.asnumpy = asarray, asnumpy
     m.inf = np.inf
+    for name in ("float32", "float16", "int8", "int32", "uint16", "uint32", "uint8", "int64", "bool_"):
+        setattr(m, name, getattr(np, name))
     cuda = types.SimpleNamespace(Stream=Stream, Event=Event, current=[], default=Stream())
     cuda.get_elapsed_time = lambda start, end: (end.time - start.time) * 1e3
     cuda.get_current_stream = lambda: cuda.current[-1] if cuda.current else cuda.default

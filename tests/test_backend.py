@@ -49,7 +49,9 @@ def test_device_logits_match_numpy_and_syncs_are_the_documented_ones(loaded, dev
     host, dev = MoEModel(loaded), MoEModel(loaded, backend=device)
     tokens = [5, 99, 1000, 42, 7, 3000]
     kv_h, kv_d = host.new_cache(16), dev.new_cache(16)
-    assert isinstance(kv_d.keys[0], fake_cupy.DeviceArray) and isinstance(dev.W["lm_head"], fake_cupy.DeviceArray)
+    assert isinstance(kv_d.keys[0], fake_cupy.DeviceArray) and isinstance(dev.W["lm_head"].data, fake_cupy.DeviceArray)
+    # weights stay in their stored encoding on the device too (F16: half of float32)
+    assert dev.W["lm_head"].dtype == "F16" and dev.W["lm_head"].nbytes == loaded.dense["lm_head"].nbytes
     ref, _ = host.forward(tokens, kv_h)
     before = device.host_reads
     got, rec = dev.forward(tokens, kv_d)
@@ -82,8 +84,10 @@ def test_budget_holds_in_device_memory_and_copies_go_through_the_copy_stream(loa
     SpeculativeDecoder(engine.model, get_method("ar"), SpecSettings(draft_topk=2), UNUSED).generate([5, 99, 1000], 12)
     assert cache.peak_resident_bytes <= cache.capacity
     held = list(cache.held.values())
-    assert held and all(isinstance(w.gate, fake_cupy.DeviceArray) and isinstance(w.down, fake_cupy.DeviceArray)
-                        for w in held)
+    # resident in device memory at their stored size (F16 bytes, not float32)
+    assert held and all(isinstance(w.gate.data, fake_cupy.DeviceArray) and isinstance(w.down.data, fake_cupy.DeviceArray)
+                        and w.gate.dtype == "F16" for w in held)
+    assert all(w.nbytes == engine.loaded.experts[key].resident_bytes_for(False) for key, w in cache.held.items())
     misses = sum(s.misses for s in cache.stats.values())
     copies = device._copy_stream.recorded
     assert len(copies) == misses  # every fetched expert was uploaded on the copy stream, with its event
@@ -104,7 +108,8 @@ def test_host_tier_serves_pinned_experts_and_decodes_the_same(loaded, device):
     assert outs[0] == outs[1]
     store = build_engine(loaded.path, "0.25", 64, None, loaded=loaded, backend=device, offload_tier="host").cache.store
     w = store.read_many(0, [3])[0]
-    assert w.pinned and type(w.gate) is np.ndarray and w.gate.flags.c_contiguous  # staged copies skip a memcpy
+    # pinned as stored bytes (staged copies skip a memcpy, and the host tier holds F16, not float32)
+    assert w.pinned and type(w.gate.data) is np.ndarray and w.gate.data.flags.c_contiguous and w.gate.dtype == "F16"
     with pytest.raises(UsageError, match="--offload-tier 'ssd'"):
         build_engine(loaded.path, "0.25", 64, None, loaded=loaded, offload_tier="ssd")
 

@@ -297,3 +297,20 @@ def test_run_without_the_extension_says_so_in_one_line_and_uses_numpy():
     notes = [line for line in r.stderr.splitlines() if "compiled CPU kernels are missing" in line]
     assert len(notes) == 1 and "running on NumPy" in notes[0]
     assert json.loads(r.stdout)["stats"]["offload"]["kernels"]["name"] == "numpy"
+
+
+@pytest.mark.parametrize("dtype", TYPES)
+def test_array_namespace_decoders_match_the_reference(dtype, rng):
+    """The block decoders the device uses (written once on the array namespace) equal gguf.quants'
+    decoding bit for bit: on NumPy, and on the CPU stand-in for CuPy (device arrays in and out)."""
+    import fake_cupy
+
+    from s2moe.runtime.kernels.stored import decode_rows
+
+    W = random_matrix(rng, dtype, 24, 512)
+    raw = W.data.reshape(24, W.row_bytes)
+    want = W.dequantize()
+    np.testing.assert_array_equal(decode_rows(np, dtype, raw, 512), want)
+    dev = decode_rows(fake_cupy.module, dtype, fake_cupy.module.asarray(raw), 512)
+    assert isinstance(dev, fake_cupy.DeviceArray)
+    np.testing.assert_array_equal(fake_cupy.module.asnumpy(dev), want)

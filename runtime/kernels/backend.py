@@ -14,8 +14,9 @@ Expert weights reach the device through `Backend.upload_expert`: decoded weights
 pinned host memory (orin mode: file → pinned → device; in rtx4090 mode, `HostTier`, they already
 live there) and copied on a separate stream with one event per expert; `wait` makes the compute
 stream wait for that event only, so the next expert's copy overlaps the current expert's compute
-(the cache fetches a layer's misses together). Device copies are C-ordered (cuBLAS transposes for
-free; the input-major host layout is a CPU-BLAS concern).
+(the cache fetches a layer's misses together). Weights stay in their stored encoding on the device
+too (`kernels/stored.py` `DeviceStored`): a product decodes a few MiB of rows at a time on the
+device (the block decoders are written on the array namespace) and multiplies with cuBLAS.
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ class Backend:
         return self.xp is not np
 
     def to_device(self, a):
-        """Host array → this backend (no copy on NumPy). On a device, stored matrices are decoded
-        to float32 first: the device computes in float32 (stored-precision device kernels are not
-        built yet)."""
-        return self.xp.asarray(_as_float(a)) if self.on_device and a is not None else a
+        """Host array → this backend (no copy on NumPy). A stored matrix goes up as its bytes
+        (`DeviceStored`): the device holds weights at their stored size too."""
+        if not self.on_device or a is None:
+            return a
+        if _stored(a):
+            from .stored import DeviceStored
+
+            return DeviceStored(self.xp.asarray(a.data), a.dtype, a.shape, self.xp)
+        return self.xp.asarray(a)
 
     def to_host(self, a) -> np.ndarray:
         """Device array → NumPy; on a device this waits for the producing work (a sync)."""
@@ -107,8 +113,18 @@ class Backend:
         return buf
 
     def pin_expert(self, w):
-        """`ExpertWeights` with every part in pinned host memory (`HostTier`; copies skip staging)."""
-        parts = {name: None if a is None else self.pin(a) for name, a in _parts(w).items()}
+        """`ExpertWeights` with every part in pinned host memory (`HostTier`; copies skip staging);
+        stored matrices keep their encoding (their bytes are pinned)."""
+        from .stored import StoredMatrix
+
+        parts = {}
+        for name, a in _parts(w).items():
+            if a is None:
+                parts[name] = None
+            elif _stored(a):
+                parts[name] = StoredMatrix(self.pin(a.data), a.dtype, a.shape)
+            else:
+                parts[name] = self.pin(a)
         return replace(w, **parts, pinned=True, alloc_bytes=None)
 
     def upload_expert(self, w):
@@ -125,10 +141,16 @@ class Backend:
             if a is None:
                 parts[name] = None
                 continue
-            src = a if getattr(w, "pinned", False) else self.pin(a)  # rtx4090 mode: already pinned
+            host = a.data if _stored(a) else a  # a stored matrix travels as its bytes
+            src = host if getattr(w, "pinned", False) else self.pin(host)  # rtx4090 mode: already pinned
             staged.append(src)
-            parts[name] = xp.empty(a.shape, a.dtype)
-            parts[name].set(src, stream=self._copy_stream)
+            dev = xp.empty(host.shape, host.dtype)
+            dev.set(src, stream=self._copy_stream)
+            if _stored(a):
+                from .stored import DeviceStored
+
+                dev = DeviceStored(dev, a.dtype, a.shape, xp)
+            parts[name] = dev
         event = self._copy_stream.record()
         self._in_flight.append((event, staged))
         return replace(w, **parts, ready=event, pinned=False, alloc_bytes=None)
@@ -140,16 +162,15 @@ class Backend:
             self.xp.cuda.get_current_stream().wait_event(event)
 
 
-def _as_float(a):
+def _stored(a) -> bool:
     from .stored import StoredMatrix
 
-    return a.dequantize() if isinstance(a, StoredMatrix) else a
+    return isinstance(a, StoredMatrix)
 
 
 def _parts(w) -> dict:
-    """An expert's arrays as float32 (the device computes in float32)."""
-    return {"gate": _as_float(w.gate), "up": _as_float(w.up), "down": _as_float(w.down), "gate_bias": w.gate_bias,
-            "up_bias": w.up_bias, "down_bias": w.down_bias}
+    return {"gate": w.gate, "up": w.up, "down": w.down, "gate_bias": w.gate_bias, "up_bias": w.up_bias,
+            "down_bias": w.down_bias}
 
 
 NUMPY = Backend("numpy", np, "requested")

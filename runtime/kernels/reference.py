@@ -64,21 +64,25 @@ class ReferenceOps:
         return attend(q, k, v, kv, L, start, cs, allowed, sinks, nh, nkv, D, scale, interleave)
 
     def linear(self, x: np.ndarray, W, bias=None) -> np.ndarray:
-        """x [T, K] @ W.T → [T, N] (+ bias)."""
-        if not isinstance(W, StoredMatrix):
+        """x [T, K] @ W.T → [T, N] (+ bias). W: a float matrix, or stored (`StoredMatrix` on the
+        host, `DeviceStored` on a device), decoded a few MiB of rows at a time."""
+        if not hasattr(W, "chunks"):
             return _plus(x @ W.T, bias)
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        if isinstance(W, StoredMatrix):
+            x = np.ascontiguousarray(x, dtype=np.float32)
         if W.dtype == "F32":
-            return _plus(x @ W.data.view(np.float32).reshape(W.shape).T, bias)
-        y = np.empty((x.shape[0], W.shape[0]), dtype=np.float32)
+            return _plus(x @ W.dequantize().T, bias)
+        from .backend import xp_of
+
+        y = xp_of(x).empty((x.shape[0], W.shape[0]), dtype=np.float32)
         for rows, w in W.chunks():
             y[:, rows] = x @ w.T
         return _plus(y, bias)
 
     def embed(self, W, ids: np.ndarray) -> np.ndarray:
-        if not isinstance(W, StoredMatrix):
+        if not hasattr(W, "chunks"):
             return W[ids]
-        return W.dequantize(np.asarray(ids, dtype=np.int64))
+        return W.dequantize(ids if not isinstance(W, StoredMatrix) else np.asarray(ids, dtype=np.int64))
 
     def expert(self, x: np.ndarray, w, act) -> np.ndarray:
         """One expert on its tokens: act(x Wg + bg, x Wu + bu) Wd + bd."""

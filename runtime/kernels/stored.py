@@ -102,3 +102,84 @@ class StoredMatrix:
 
     def __repr__(self) -> str:
         return f"StoredMatrix({self.dtype}, {list(self.shape)}, {self.nbytes} bytes)"
+
+
+# -- block decoding on any array namespace (NumPy or CuPy) -------------------------------------------
+#
+# The device keeps weights stored too: their bytes go up as uint8, and a product decodes a few MiB
+# of rows at a time on the device, then multiplies with cuBLAS. These decoders are written once
+# against the array namespace; tests/test_kernels.py holds them to the reference (gguf.quants) on
+# NumPy, and the device runs the same code on CuPy.
+
+_KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+def _f16(xp, two_bytes):
+    """[..., 2] uint8 → float32 [..., 1] (an f16 per block)."""
+    return xp.ascontiguousarray(two_bytes).view(xp.float16).astype(xp.float32)
+
+
+def decode_rows(xp, dtype: str, raw, K: int):
+    """uint8 [n, row_bytes] of ``dtype`` rows → float32 [n, K], with array module ``xp``."""
+    n = raw.shape[0]
+    if dtype == "F32":
+        return xp.ascontiguousarray(raw).view(xp.float32).reshape(n, K)
+    if dtype == "F16":
+        return xp.ascontiguousarray(raw).view(xp.float16).astype(xp.float32).reshape(n, K)
+    if dtype == "BF16":
+        return (xp.ascontiguousarray(raw).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32).reshape(n, K)
+    values, nbytes = BLOCKS[dtype]
+    blocks = raw.reshape(n, K // values, nbytes)
+    if dtype == "Q8_0":
+        q = xp.ascontiguousarray(blocks[..., 2:]).view(xp.int8).astype(xp.float32)
+        return (_f16(xp, blocks[..., :2]) * q).reshape(n, K)
+    if dtype in ("Q4_0", "MXFP4"):
+        qs = blocks[..., 2:] if dtype == "Q4_0" else blocks[..., 1:]
+        codes = xp.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # elements 0-15 low nibbles, 16-31 high
+        if dtype == "Q4_0":
+            return (_f16(xp, blocks[..., :2]) * (codes.astype(xp.float32) - 8.0)).reshape(n, K)
+        e = blocks[..., :1].astype(xp.uint32)
+        half = xp.where(e < 2, xp.uint32(0x00200000) << e, (e - 1) << xp.uint32(23)).view(xp.float32)
+        table = xp.asarray(_KVALUES_MXFP4)
+        return (half * table[codes.astype(xp.int32)]).reshape(n, K)
+    if dtype == "Q4_K":
+        d, dmin = _f16(xp, blocks[..., 0:2]), _f16(xp, blocks[..., 2:4])  # [n, B, 1]
+        s = blocks[..., 4:16].astype(xp.int32)  # the 12 scale bytes
+        sc = xp.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+        mn = xp.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+        qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2p (low), 2p+1 (high)
+        codes = xp.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, 8, 32).astype(xp.float32)
+        scale = (d * sc.astype(xp.float32))[..., None]  # [n, B, 8, 1]
+        low = (dmin * mn.astype(xp.float32))[..., None]
+        return (codes * scale - low).reshape(n, K)
+    raise ValueError(f"no block decoder for {dtype}")
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceStored:
+    """A `StoredMatrix` whose bytes live on a device (uint8 array of the backend's module)."""
+
+    data: object
+    dtype: str
+    shape: tuple[int, int]
+    xp: object
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def row_bytes(self) -> int:
+        return row_bytes(self.dtype, self.shape[1])
+
+    def dequantize(self, rows=None):
+        N, K = self.shape
+        raw = self.data.reshape(N, self.row_bytes)
+        return decode_rows(self.xp, self.dtype, raw if rows is None else raw[rows], K)
+
+    def chunks(self):
+        N, K = self.shape
+        step = max(1, _CHUNK_BYTES // (4 * K))
+        for r in range(0, N, step):
+            rows = slice(r, min(N, r + step))
+            yield rows, self.dequantize(rows)

@@ -46,3 +46,23 @@ def test_fused_reuse_gating_kernel_matches_numpy(variant):
     ref_ids, ref_w = route(logits, 8, "softmax_topk", False, bias)
     assert np.array_equal(cp.asnumpy(ids), ref_ids)
     np.testing.assert_allclose(cp.asnumpy(w), ref_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "MXFP4"])
+def test_stored_blocks_decode_on_the_device_as_on_the_host(dtype):
+    """Weights stay stored on the device; its block decoders equal the host reference bit for bit."""
+    import cupy as cp
+
+    from s2moe.runtime.kernels.stored import BLOCKS, StoredMatrix, decode_rows
+
+    rng = np.random.default_rng(0)
+    if dtype == "Q4_K":
+        raw = rng.integers(0, 256, (24 * 2, 144), dtype=np.uint8)
+        raw[:, :4] = np.stack([rng.uniform(1e-3, 1e-2, 48), rng.uniform(0, 1e-2, 48)], -1).astype(np.float16) \
+            .view(np.uint8).reshape(48, 4)
+        W = StoredMatrix(raw.reshape(-1), "Q4_K", (24, 512))
+    else:
+        W = StoredMatrix.from_float(rng.standard_normal((24, 512)).astype(np.float32), dtype)
+    got = decode_rows(cp, dtype, cp.asarray(W.data.reshape(24, W.row_bytes)), 512)
+    np.testing.assert_array_equal(cp.asnumpy(got), W.dequantize())
+    assert BLOCKS[dtype]
