@@ -30,26 +30,36 @@ INPUT_MAJOR = frozenset({"router"})
 @dataclass(frozen=True, eq=False)
 class DenseSpec:
     """How one dense tensor is built. ``kind``: "stored", "float", "unpermute" (llama.cpp's q/k row
-    order undone; ``heads`` given) or "kv_b" (MLA's kv_b rebuilt from attn_k_b + attn_v_b)."""
+    order undone; ``heads`` given), "unrepeat" (KV heads our export repeated ``heads`` times for
+    llama.cpp: the first copy of each kept) or "kv_b" (MLA's kv_b rebuilt from attn_k_b + attn_v_b)."""
 
     name: str  # canonical key: "embed", "layers.3.q", …
     refs: tuple[TensorRef, ...]
     kind: str = "float"
     heads: int = 0
     shape: tuple[int, ...] = ()  # the built tensor's shape (kv_b's differs from its parts')
+    head_dim: int = 0  # "unrepeat": rows per head
 
     @property
     def keeps_stored(self) -> bool:
         ref = self.refs[0]
-        return self.kind in ("stored", "unpermute") and len(ref.shape) == 2 and kernel_type(ref.dtype, ref.shape[1])
+        return self.kind in ("stored", "unpermute", "unrepeat") and len(ref.shape) == 2 \
+            and kernel_type(ref.dtype, ref.shape[1])
 
     def resident_bytes(self, direct: bool = True) -> int:
         from ..offload.reader import span_cost
 
         ref = self.refs[0]
-        if self.keeps_stored:  # the read buffer is kept (a row permutation makes an exact copy)
-            return span_cost(ref.offset, ref.nbytes, direct) if self.kind == "stored" else ref.nbytes
+        if self.keeps_stored:  # the read buffer is kept (a row selection makes an exact copy)
+            if self.kind == "stored":
+                return span_cost(ref.offset, ref.nbytes, direct)
+            return ref.nbytes // (self.heads if self.kind == "unrepeat" else 1)
         return 4 * int(np.prod(self.shape or ref.shape, dtype=np.int64))
+
+
+def unrepeat_rows(rows: int, repeat: int, head_dim: int) -> np.ndarray:
+    """Rows of the first copy of each repeated KV head ([heads · D] → [kv_heads · D])."""
+    return np.arange(rows).reshape(-1, repeat, head_dim)[:, 0].reshape(-1)
 
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
@@ -68,13 +78,18 @@ def build(spec: DenseSpec, read) -> StoredMatrix | np.ndarray:
         v_b = decode_array(v_ref.dtype, v_ref.shape, v_raw, where)  # [nh, dv, r]
         r = k_b.shape[1]
         return np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, r))
+    order = None
+    if spec.kind == "unpermute":
+        order = unpermute_rows(ref.shape[0], spec.heads)
+    elif spec.kind == "unrepeat":  # rows per head: the kept shape's first axis over the KV heads
+        order = unrepeat_rows(ref.shape[0], spec.heads, spec.head_dim)
     if spec.keeps_stored:
         w = StoredMatrix(raws[0], ref.dtype, tuple(ref.shape))
-        return w.rows(unpermute_rows(ref.shape[0], spec.heads)) if spec.kind == "unpermute" else w
+        return w if order is None else w.rows(order)
     w = decode_array(ref.dtype, ref.shape, raws[0], where)
-    if spec.kind == "unpermute":
-        w = w[unpermute_rows(ref.shape[0], spec.heads)]
-    if spec.kind in ("stored", "unpermute"):  # a type without a kernel: F32, counted at that size
+    if order is not None:
+        w = w[order]
+    if spec.kind in ("stored", "unpermute") or (spec.kind == "unrepeat" and w.ndim == 2):  # no kernel: F32
         return StoredMatrix.from_float(w)
     w = np.ascontiguousarray(w, dtype=np.float32)
     return np.asfortranarray(w) if spec.name.rsplit(".", 1)[-1] in INPUT_MAJOR else w

@@ -224,7 +224,11 @@ def _load_gguf(path: str) -> LoadedModel:
             raise ModelFormatError(f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)")
         config = ModelConfig(**{**config.to_dict(), "vocab_size": vocab})
     res = _Resolver(index.tensors, names_for(arch, "gguf"), path)
-    dense = _dense_specs(config, res, tied_if_missing=True, qk_permuted=getattr(arch, "GGUF_QK_PERMUTED", False))
+    repeat = _repeated_kv_heads(index.metadata, config, path)
+    if repeat > 1:  # our export repeated each KV head for llama.cpp: read back the original heads
+        config = ModelConfig(**{**config.to_dict(), "num_kv_heads": config.num_heads // repeat})
+    dense = _dense_specs(config, res, tied_if_missing=True, qk_permuted=getattr(arch, "GGUF_QK_PERMUTED", False),
+                         kv_repeat=repeat)
     experts, layout = _expert_refs(config, res, "gguf")
     return LoadedModel(config, dense, experts, path, "gguf", layout, None, gguf=index,
                        generation_defaults=_gguf_sampling(index.metadata))
@@ -293,14 +297,30 @@ def _gguf_sampling(meta: dict) -> dict:
     return {k: from_f32(meta[f"general.sampling.{g}"]) for k, g in keys if f"general.sampling.{g}" in meta}
 
 
+def _repeated_kv_heads(meta: dict, config: ModelConfig, path: str) -> int:
+    """The factor by which `s2moe convert` repeated KV heads for llama.cpp (1: not repeated)."""
+    original = meta.get("s2moe.repeated_kv_heads_from")
+    if original is None:
+        return 1
+    if not isinstance(original, int) or original <= 0 or config.num_heads % original:
+        raise ModelFormatError(f"{path}: s2moe.repeated_kv_heads_from {original!r} does not divide "
+                               f"{config.num_heads} heads")
+    return config.num_heads // original
+
+
 def _dense_specs(config: ModelConfig, res: _Resolver, tied_if_missing: bool = False,
-                 qk_permuted: bool = False) -> dict[str, D.DenseSpec]:
-    """Every dense tensor's spec (refs, shape checked against the config; nothing read yet)."""
+                 qk_permuted: bool = False, kv_repeat: int = 1) -> dict[str, D.DenseSpec]:
+    """Every dense tensor's spec (refs, shape checked against the config; nothing read yet).
+    ``kv_repeat``: the file holds each KV head that many times (k, v, k_norm and their biases)."""
     c = config
     H, V = c.hidden_size, c.vocab_size
+    repeated = ("k", "v", "k_norm", "k_bias", "v_bias") if kv_repeat > 1 else ()
 
     def spec(name: str, ref: TensorRef) -> D.DenseSpec:
         canon = name.rsplit(".", 1)[-1]
+        if canon in repeated:
+            return D.DenseSpec(name, (ref,), "unrepeat", kv_repeat,
+                               shape=(ref.shape[0] // kv_repeat, *ref.shape[1:]), head_dim=c.head_dim)
         heads = {"q": c.num_heads, "k": c.num_kv_heads}.get(canon, 0) if qk_permuted else 0
         kind = "unpermute" if heads else ("stored" if canon in D.STORED else "float")
         return D.DenseSpec(name, (ref,), kind, heads)
@@ -317,6 +337,8 @@ def _dense_specs(config: ModelConfig, res: _Resolver, tied_if_missing: bool = Fa
             if name == "kv_b" and res.find("kv_b", L=L) is None and res.find("k_b", L=L) is not None:
                 specs[key] = _kv_b_from_split(c, res, L, key)
                 continue
+            if name in repeated:  # the file's width: every KV head kv_repeat times
+                shape = (shape[0] * kv_repeat, *shape[1:])
             specs[key] = spec(key, res.need(name, shape, L=L))
     return specs
 

@@ -21,6 +21,7 @@ import numpy as np
 from ...errors import UsageError
 from ..loader import BIASES, PROJECTIONS, LoadedModel
 from ..models import BY_GGUF_ARCH, names_for
+from .gguf_tokenizer import add_tokenizer
 
 GGUF_ARCH = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "deepseek_v2": "deepseek2",
              "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
@@ -29,6 +30,21 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 # 4 KiB starts on a page, so O_DIRECT reads it with no rounding and a resident expert costs exactly
 # its stored bytes. llama.cpp honours `general.alignment`.
 ALIGNMENT = 4096
+
+
+def repeated_kv_heads(c) -> bool:
+    """llama.cpp's OLMoE loader wants k_norm as wide as q (it assumes as many KV heads as query
+    heads): a grouped-query OLMoE is written with each KV head repeated for its query heads. The
+    function is the same: RMSNorm over repeated values keeps their mean square, and every query
+    head sees a copy of its group's key and value."""
+    return c.arch == "olmoe" and c.qk_norm == "full" and c.num_kv_heads < c.num_heads
+
+
+def _repeat_kv(w: np.ndarray, c) -> np.ndarray:
+    """[kv_heads · D, …] → [heads · D, …]: each KV head's rows repeated for its query heads."""
+    D, g = c.head_dim, c.num_heads // c.num_kv_heads
+    return np.ascontiguousarray(np.repeat(w.reshape(c.num_kv_heads, D, *w.shape[1:]), g, axis=0)
+                                .reshape(c.num_heads * D, *w.shape[1:]))
 
 
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -74,6 +90,7 @@ def _named_tensors(model: LoadedModel, read_expert, split_experts: bool, read_de
     yield _Tensor("output_norm.weight", shape_of("norm"), False, dense("norm"))
     if not c.tie_word_embeddings:
         yield _Tensor("output.weight", shape_of("lm_head"), False, dense("lm_head"))
+    repeat = repeated_kv_heads(c)
     for L in range(c.num_layers):
         prefix = f"layers.{L}."
         for key in [k for k in specs if k.startswith(prefix)]:
@@ -81,8 +98,12 @@ def _named_tensors(model: LoadedModel, read_expert, split_experts: bool, read_de
             shape = shape_of(key)
             transform = (lambda w, h=(c.num_heads if canon == "q" else c.num_kv_heads): _permute_qk(w, h)) \
                 if permute and canon in ("q", "k") else (lambda w: w)
-            yield _Tensor(names[canon][0].format(L=L), shape, False, dense(key, transform))
-            if canon == "kv_b":  # llama.cpp also writes kv_b split per head for its absorbed MLA
+            if repeat and canon in ("k", "v", "k_norm", "k_bias", "v_bias"):
+                transform = lambda w: _repeat_kv(w, c)  # noqa: E731
+                shape = (shape[0] * c.num_heads // c.num_kv_heads, *shape[1:])
+            if canon != "kv_b":  # MLA's kv_b goes split per head (below): llama.cpp loads only that
+                yield _Tensor(names[canon][0].format(L=L), shape, False, dense(key, transform))
+            if canon == "kv_b":  # attn_k_b / attn_v_b, as llama.cpp's absorbed MLA reads it
                 nh, dn = c.num_heads, c.head_dim - c.qk_rope_head_dim
                 r = shape[1]
                 dv = shape[0] // nh - dn
@@ -188,7 +209,9 @@ def write_gguf(
         w.add_embedding_length(c.hidden_size)
         w.add_head_count(c.num_heads)
         if c.attention != "mla":  # MLA: llama.cpp's own spellings, in _add_arch_metadata
-            w.add_head_count_kv(c.num_kv_heads)
+            w.add_head_count_kv(c.num_heads if repeated_kv_heads(c) else c.num_kv_heads)
+            if repeated_kv_heads(c):  # say so: the file's KV heads are copies
+                w.add_uint32("s2moe.repeated_kv_heads_from", c.num_kv_heads)
             w.add_key_length(c.head_dim)
             w.add_value_length(c.head_dim)
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -207,7 +230,7 @@ def write_gguf(
             w.add_eos_token_id(c.eos_token_ids[0])
         _add_arch_metadata(w, c)
         if tokenizer_json:
-            _add_tokenizer(w, tokenizer_json)
+            add_tokenizer(w, tokenizer_json, c.vocab_size)
         _add_sampling_defaults(w, model.generation_defaults)
         overrides = raw_overrides or {}
         w.add_custom_alignment(ALIGNMENT)
@@ -283,8 +306,7 @@ def _add_arch_metadata(w, c) -> None:
         w.add_key_length_mla(c.head_dim)
         w.add_value_length_mla(c.v_head_dim)
         w.add_rope_dimension_count(c.qk_rope_head_dim)
-        if c.q_lora_rank:
-            w.add_q_lora_rank(c.q_lora_rank)
+        w.add_q_lora_rank(c.q_lora_rank or 0)  # llama.cpp requires the key; 0 = q without LoRA
         w.add_kv_lora_rank(c.kv_lora_rank)
         w.add_leading_dense_block_count(c.moe_layers.index(True) if any(c.moe_layers) else c.num_layers)
         shared = c.shared_expert_intermediate_size or 0
@@ -318,28 +340,3 @@ def _add_sampling_defaults(w, defaults: dict) -> None:
         w.add_sampling_top_p(float(defaults["top_p"]))
     if defaults.get("top_k"):
         w.add_sampling_top_k(int(defaults["top_k"]))
-
-
-def _add_tokenizer(w, tokenizer_json: str) -> None:
-    """A byte-level BPE `tokenizer.json` as GGUF's `gpt2` tokenizer (tokens, merges, types)."""
-    import json
-
-    with open(tokenizer_json, encoding="utf-8") as f:
-        spec = json.load(f)
-    model = spec.get("model", {})
-    if model.get("type") != "BPE":
-        raise UsageError(f"{tokenizer_json}: only BPE tokenizers can be embedded in GGUF (found {model.get('type')})")
-    vocab: dict[str, int] = dict(model["vocab"])
-    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
-    vocab.update(special)
-    size = max(vocab.values()) + 1
-    tokens = [f"[PAD{i}]" for i in range(size)]
-    for tok, i in vocab.items():
-        tokens[i] = tok
-    types = [3 if t in special else 1 for t in tokens]  # 3 = control, 1 = normal
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
