@@ -27,8 +27,13 @@ DEFAULT_MODEL = ASSETS / "default-moe"
 
 
 def resolve_model(model: str | None) -> str:
+    """--model as a local path: a folder or file as given, a Hugging Face id (org/name[@revision])
+    as its snapshot in the local cache (fetched first when online), else the embedded default."""
     if model:
-        return model
+        from ..model import hub
+
+        parsed = hub.parse_id(model)
+        return hub.resolve(*parsed) if parsed else model
     if (DEFAULT_MODEL / "config.json").exists():
         return str(DEFAULT_MODEL)
     raise UsageError("no --model given and no default model is installed; pass --model PATH (HF folder or .gguf)")
