@@ -1,10 +1,10 @@
-"""The `s2moe` command: run, info, convert, bench. One module per command; errors via `errors.cli_errors`."""
+"""The `s2moe` command: run, info, convert, bench, serve. One module per command; errors via `errors.cli_errors`."""
 
 from __future__ import annotations
 
 import typer
 
-from . import bench, convert, info, run
+from . import bench, convert, info, run, serve
 
 app = typer.Typer(
     name="s2moe",
@@ -17,6 +17,7 @@ app.command("run")(run.run)
 app.command("info")(info.info)
 app.command("convert")(convert.convert)
 app.command("bench")(bench.bench)
+app.command("serve")(serve.serve)
 
 
 def main() -> None:

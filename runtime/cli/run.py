@@ -51,7 +51,6 @@ def run(
     """Generate text with the model (S²-MoE self-speculative decoding by default)."""
     with cli_errors():
         from ..kernels.backend import select_backend
-        from ..engine import build_engine, engine_tier
         from ..decoding.estimate import estimate_costs
         from ..model.loader import load_model
         from ..decoding.methods import get_method
@@ -72,21 +71,11 @@ def run(
         if not ids:
             raise typer.BadParameter("the prompt encodes to no tokens", param_hint="--prompt")
         kv_positions = len(ids) + max_tokens + 2 * max(settings.draft_cap, 8) + 2
-        engine = build_engine(loaded.path, chosen.budget, kv_positions, chosen.hot_experts, cache_policy,
-                              emulate_bandwidth, emulate_latency, loaded=loaded, backend=arrays,
-                              offload_tier=offload_tier or engine_tier(
-                                  (chosen.profile.data.get("device") or {}).get("offload_tier")
-                                  if chosen.profile is not None else None),
-                              fetch_threads=((chosen.profile.data.get("offload") or {}).get("fetch_threads")
-                                             if chosen.profile is not None else None),
-                              expert_budget=expert_budget, kernels=kernels, threads=threads, preload=True,
-                              budget_from=chosen.budget_from, trim_hot=chosen.trim_hot,
-                              prefetch_slots=0 if spec.admit == "none" or not settings.prefetch else None,
-                              batch=max(len(ids) if len(ids) < 64 else 64, 1 + 2 * settings.draft_cap))
-        if engine.model.ops.reason.startswith("auto: the compiled"):
-            say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")
-        if engine.emulation.active:
-            say(f"{engine.emulation.describe()}: timings are not this machine's", "yellow")
+        engine = open_engine(loaded, spec, settings, chosen, arrays, kv_positions,
+                             batch=max(len(ids) if len(ids) < 64 else 64, 1 + 2 * settings.draft_cap),
+                             cache_policy=cache_policy, emulate_bandwidth=emulate_bandwidth,
+                             emulate_latency=emulate_latency, offload_tier=offload_tier,
+                             expert_budget=expert_budget, kernels=kernels, threads=threads)
         costs = chosen.profile.costs if chosen.profile is not None else None
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
             costs = estimate_costs(engine.model, ids, settings_policy(settings))
@@ -108,6 +97,28 @@ def run(
             return
         stream.finish()
         print_summary(stats)
+
+
+def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch: int, *, cache_policy: str,
+                emulate_bandwidth, emulate_latency: float, offload_tier, expert_budget, kernels: str, threads):
+    """The engine for one model and method as `run`, `serve` and `bench` build it: the profile's tier
+    and fetch threads unless flags say otherwise, prefetch slots only where drafts predict."""
+    from ..engine import build_engine, engine_tier
+
+    device = (chosen.profile.data.get("device") or {}) if chosen.profile is not None else {}
+    offload = (chosen.profile.data.get("offload") or {}) if chosen.profile is not None else {}
+    engine = build_engine(loaded.path, chosen.budget, kv_positions, chosen.hot_experts, cache_policy,
+                          emulate_bandwidth, emulate_latency, loaded=loaded, backend=arrays,
+                          offload_tier=offload_tier or engine_tier(device.get("offload_tier")),
+                          fetch_threads=offload.get("fetch_threads"), expert_budget=expert_budget,
+                          kernels=kernels, threads=threads, preload=True, budget_from=chosen.budget_from,
+                          trim_hot=chosen.trim_hot, batch=batch,
+                          prefetch_slots=0 if spec.admit == "none" or not settings.prefetch else None)
+    if engine.model.ops.reason.startswith("auto: the compiled"):
+        say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")
+    if engine.emulation.active:
+        say(f"{engine.emulation.describe()}: timings are not this machine's", "yellow")
+    return engine
 
 
 def _per_token(report: dict, generated: int) -> dict:

@@ -1,0 +1,84 @@
+"""`s2moe serve`: the model behind an OpenAI-compatible HTTP API (runtime/serve), one decode at a
+time, requests in arrival order. Needs the `serve` extra: pip install 's2moe[serve]'."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from .common import resolve_model, say
+from .errors import cli_errors
+
+
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="HF folder, .gguf file or Hugging Face id (default: the embedded model)."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Device profile (budget, hot experts, cost constants, speculative settings)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on."),
+    name: Optional[str] = typer.Option(None, "--name", help="Model id the API reports (default: the model folder's name)."),
+    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", min=16, help="Context length in tokens (default: the model's trained length)."),
+    method: str = typer.Option("s2moe", "--method", help="ar, es, confidence, cascade, ca, ca+ae, s2moe."),
+    no_rg: bool = typer.Option(False, "--no-rg", help="Turn reuse-aware gating off (lossless: greedy output equals AR)."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget for the model (as in run)."),
+    expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Memory for resident experts only."),
+    kernels: str = typer.Option("auto", "--kernels", help="auto, cpu or numpy."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template file (default: tokenizer_config.json's)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) instead of the model's."),
+):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    with cli_errors():
+        try:
+            import uvicorn  # noqa: F401
+            from ..serve.app import create_app
+        except ImportError as exc:
+            from ..errors import UsageError
+
+            raise UsageError(f"s2moe serve needs {exc.name}: pip install 's2moe[serve]'") from None
+        import os
+
+        from ..decoding.estimate import estimate_costs
+        from ..decoding.methods import get_method
+        from ..decoding.speculative import SpeculativeDecoder
+        from ..kernels.backend import select_backend
+        from ..model.loader import load_model
+        from ..model.tokenizer import load_tokenizer
+        from ..serve.chat import load_chat_template
+        from ..serve.worker import Worker
+        from .run import _unused_costs, open_engine, settings_policy
+        from .spec_options import apply_profile, describe_costs, make_settings
+
+        spec = get_method(method, reuse_gating=False if no_rg else None)
+        loaded = load_model(resolve_model(model), dense=False)
+        c = loaded.config
+        context = ctx_size or c.max_position_embeddings
+        if context > c.max_position_embeddings:
+            say(f"warning: --ctx-size {context} is above the {c.max_position_embeddings} positions the model was "
+                "trained for; quality past them is not known", "yellow")
+        chosen = apply_profile(profile, loaded, budget, None)
+        settings = make_settings(c, None, None, None, None, "paper", chosen.profile)
+        tok = load_tokenizer(loaded, tokenizer)
+        template = load_chat_template(loaded.path, chat_template)
+        slack = 2 * max(settings.draft_cap, 8) + 2  # drafted positions past the context, rolled back
+        engine = open_engine(loaded, spec, settings, chosen, select_backend("auto"), context + slack,
+                             batch=max(64, 1 + 2 * settings.draft_cap), cache_policy="lfu", emulate_bandwidth=None,
+                             emulate_latency=0.0, offload_tier=None, expert_budget=expert_budget, kernels=kernels,
+                             threads=threads)
+        costs = chosen.profile.costs if chosen.profile is not None else None
+        if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
+            costs = estimate_costs(engine.model, tok.encode("def main():\n    return 0\n").ids, settings_policy(settings))
+            say(f"no --profile: estimated cost constants at start-up: {describe_costs(costs)}", "dim")
+        decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs())
+        label = name or os.path.basename(os.path.normpath(loaded.path))
+        worker = Worker(engine, decoder, tok, c.eos_token_ids, context, label)
+        app = create_app(worker, template, loaded.generation_defaults)
+        say(f"serving {label} ({spec.name}, context {context}, chat template: {template.name}) on "
+            f"http://{host}:{port}/v1", "green")
+        import uvicorn
+
+        try:
+            uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+        finally:
+            app.state.pool.shutdown(wait=False, cancel_futures=True)
+            engine.close()
