@@ -21,6 +21,7 @@ from .model.routing import RoutingPolicy
 from .decoding.sampling import SamplingParams
 from .decoding.speculative import SpeculativeDecoder
 
+SHIPPED = Path(__file__).resolve().parent / "assets" / "workloads"
 WORKLOAD_ALIASES = {
     "humaneval": "human-eval.jsonl", "human-eval": "human-eval.jsonl", "gsm8k": "gsm8K.jsonl",
     "mt-bench": "mt_bench.jsonl", "mt_bench": "mt_bench.jsonl", "specbench": "specbench.jsonl",
@@ -34,13 +35,15 @@ def resolve_workload(name: str) -> Path:
     if path.exists():
         return path
     alias = WORKLOAD_ALIASES.get(name.lower())
-    search = [os.environ.get("S2MOE_WORKLOADS", ""), "../shared/workloads", "shared/workloads"]
+    # $S2MOE_WORKLOADS first (a user's own copies), then the sets shipped in the package
+    # (HumanEval, GSM8K, MT-Bench: assets/workloads/LICENSES.md), then a checkout's ../shared
+    search = [os.environ.get("S2MOE_WORKLOADS", ""), str(SHIPPED), "../shared/workloads", "shared/workloads"]
     for folder in filter(None, search):
         for candidate in (Path(folder) / name, Path(folder) / (alias or "")):
             if candidate.is_file():
                 return candidate
-    raise UsageError(f"--workload {name!r}: not a file, 'default', or one of {', '.join(sorted(WORKLOAD_ALIASES))} "
-                     "under $S2MOE_WORKLOADS or ../shared/workloads")
+    raise UsageError(f"--workload {name!r}: not a file, 'default', or one of {', '.join(sorted(WORKLOAD_ALIASES))}; "
+                     "specbench is not shipped: pass its .jsonl path or set $S2MOE_WORKLOADS to its folder")
 
 
 def phase_bytes(report: dict) -> int:

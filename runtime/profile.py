@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 
 from .decoding.cost_model import CostConstants
@@ -169,20 +168,10 @@ def load_profile(path: str) -> Profile:
 
 def write_json_atomic(path: str, obj) -> None:
     """Temp file in the target folder, fsync, rename: readers see the old file or the new one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from .outputs import write_atomic
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")  # the umask's mode, like any new file
 
 
 def save_profile(path: str, data: dict) -> None:

@@ -13,6 +13,30 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def version_option(prog: str):
+    """An eager --version for a Typer app's callback: the installed distribution's version."""
+
+    def show(value: bool) -> None:
+        if value:
+            from importlib.metadata import PackageNotFoundError, version
+
+            try:
+                v = version("s2moe")
+            except PackageNotFoundError:  # run from a source tree without installing
+                v = "unknown (not installed)"
+            print(f"{prog} {v}")
+            raise typer.Exit()
+
+    return typer.Option(False, "--version", callback=show, is_eager=True, help="Print the version and exit.")
+
+
+@app.callback()
+def _main(version: bool = version_option("s2moe")) -> None:
+    """Self-speculative MoE decoding with expert offloading (S²-MoE)."""
+
+
 app.command("run")(run.run)
 app.command("info")(info.info)
 app.command("convert")(convert.convert)

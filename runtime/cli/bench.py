@@ -52,6 +52,11 @@ def bench(
         from ..model.tokenizer import load_tokenizer
         from .spec_options import apply_profile, make_settings
 
+        from ..outputs import check_output, write_atomic
+
+        for path, flag in ((json_path, "--json"), (csv_path, "--csv")):  # fail now, not after the run
+            if path and path != "-":
+                check_output(path, flag)
         names = [m.strip() for m in methods.split(",") if m.strip()]
         from ..decoding.methods import get_method
 
@@ -96,8 +101,6 @@ def bench(
         if json_path == "-":
             print(to_json(records, machine))
         elif json_path:
-            with open(json_path, "w") as f:
-                f.write(to_json(records, machine))
+            write_atomic(json_path, to_json(records, machine))
         if csv_path:
-            with open(csv_path, "w") as f:
-                f.write(to_csv(records))
+            write_atomic(csv_path, to_csv(records))

@@ -13,10 +13,12 @@ from .errors import cli_errors
 
 
 def run(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text; '-' reads it from stdin."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", "-f", help="Read the prompt from this UTF-8 file."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="HF folder or .gguf file (default: the embedded model)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) to use instead of the model's."),
-    max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=1, help="Tokens to generate at most."),
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=1, help="Tokens to generate at most (generation also stops at the context)."),
+    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", min=16, help="Context length in tokens, prompt included (default: the model's trained length)."),
     method: str = typer.Option("s2moe", "--method", help="ar, es, confidence, cascade, ca, ca+ae, s2moe."),
     draft_topk: Optional[str] = typer.Option(None, "--draft-topk", help="Draft experts per token: K, or K,LAYER:K,… (default: from the profile, else k/4 for k ≥ 6, k/2 below)."),
     draft_cap: Optional[int] = typer.Option(None, "--draft-cap", help="Most draft tokens per verification (default: profile, else 8)."),
@@ -34,7 +36,7 @@ def run(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p × the top probability."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (-1 or absent: a fresh random one)."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget for the model (dense + experts + KV + workspace): 16g, 512m, or a share of the experts (0.25) on top of the rest. Default: everything resident."),
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Memory for resident experts only (same forms as --budget)."),
     kernels: str = typer.Option("auto", "--kernels", help="auto (compiled CPU kernels when built), cpu, or numpy (the reference path)."),
@@ -59,6 +61,9 @@ def run(
         from .spec_options import apply_profile, describe_costs, make_settings
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
+        text_in = read_prompt(prompt, prompt_file)
+        if no_rg and not get_method(method).reuse_gating:
+            say(f"note: --no-rg has no effect: --method {method} does not use reuse-aware gating", "yellow")
         arrays = select_backend(backend)
         loaded = load_model(resolve_model(model), dense=False)  # the engine plans memory, then loads
         params = sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed)
@@ -67,10 +72,12 @@ def run(
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch)
         tok = load_tokenizer(loaded, tokenizer)
-        ids = tok.encode(prompt).ids
+        ids = tok.encode(text_in).ids
         if not ids:
             raise typer.BadParameter("the prompt encodes to no tokens", param_hint="--prompt")
-        kv_positions = len(ids) + max_tokens + 2 * max(settings.draft_cap, 8) + 2
+        context = context_length(loaded.config, ctx_size)
+        limit = fit_context(len(ids), max_tokens, context)
+        kv_positions = len(ids) + limit + 2 * max(settings.draft_cap, 8) + 2
         engine = open_engine(loaded, spec, settings, chosen, arrays, kv_positions,
                              batch=max(len(ids) if len(ids) < 64 else 64, 1 + 2 * settings.draft_cap),
                              cache_policy=cache_policy, emulate_bandwidth=emulate_bandwidth,
@@ -84,11 +91,15 @@ def run(
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), params)
         stream = _Streamer(tok) if not json_out else None
         stop_ids = () if ignore_eos else loaded.config.eos_token_ids
-        result = decoder.generate(ids, max_tokens, stop_ids, on_token=stream.push if stream else None)
+        result = decoder.generate(ids, limit, stop_ids, on_token=stream.push if stream else None)
+        if limit < max_tokens and result.stop_reason == "max_tokens":
+            result.stop_reason = "context"  # the context ran out before --max-tokens
         engine.close()
         report = engine.report()  # after the run: the measured peaks
         text = tok.decode(result.tokens)
         stats = {**result.stats(), **_per_token(report, len(result.tokens)), "method": spec.name,
+                 "context": context, "sampling": {"temperature": params.temperature, "top_k": params.top_k,
+                                                  "top_p": params.top_p, "min_p": params.min_p, "seed": params.seed},
                  "draft_topk": settings.draft_topk,
                  "cost_constants": costs.to_dict() if costs else None, "offload": report,
                  "backend": {"name": arrays.name, "reason": arrays.reason, "host_reads": arrays.host_reads}}
@@ -97,6 +108,57 @@ def run(
             return
         stream.finish()
         print_summary(stats)
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt from --prompt (``-``: stdin) or --prompt-file, checked to be UTF-8 text."""
+    from ..errors import UsageError
+
+    if (prompt is None) == (prompt_file is None):
+        raise UsageError("give the prompt once: --prompt TEXT, --prompt - (stdin) or --prompt-file PATH")
+    if prompt_file is not None or prompt == "-":
+        where = "--prompt -" if prompt == "-" else f"--prompt-file {prompt_file}"
+        if prompt == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(prompt_file, "rb") as f:
+                data = f.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{where}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                             "convert it to UTF-8") from None
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        bad = ord(prompt[exc.start]) - 0xDC00 if 0xDC80 <= ord(prompt[exc.start]) <= 0xDCFF else ord(prompt[exc.start])
+        raise UsageError(f"--prompt: not UTF-8 text (byte 0x{bad:02x} at character {exc.start}); pass UTF-8, "
+                         "or --prompt-file") from None
+    return prompt
+
+
+def context_length(config, ctx_size: int | None) -> int:
+    """--ctx-size, else the trained length; above the trained length with a warning."""
+    trained = config.max_position_embeddings
+    if ctx_size and ctx_size > trained:
+        say(f"warning: --ctx-size {ctx_size} is above the {trained} positions the model was trained for; "
+            "quality past them is not known", "yellow")
+    return ctx_size or trained
+
+
+def fit_context(prompt_tokens: int, max_tokens: int, context: int) -> int:
+    """Tokens that can be generated: a prompt that fills the context is refused, and a request
+    past it is cut there with one note (as llama.cpp does)."""
+    from ..errors import UsageError
+
+    if prompt_tokens >= context:
+        raise UsageError(f"--prompt: {prompt_tokens} tokens; the context holds {context} positions; shorten the "
+                         "prompt or pass --ctx-size (above the trained length at your own risk)")
+    if prompt_tokens + max_tokens > context:
+        say(f"note: prompt {prompt_tokens} + --max-tokens {max_tokens} tokens exceed the context of {context}; "
+            f"generation stops after {context - prompt_tokens} (stop reason: context)", "yellow")
+        return context - prompt_tokens
+    return max_tokens
 
 
 def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch: int, *, cache_policy: str,
@@ -138,7 +200,8 @@ def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed):
     defaults = loaded.generation_defaults
     pick = lambda flag, key, off: flag if flag is not None else defaults.get(key, off)  # noqa: E731
     return SamplingParams(float(pick(temperature, "temperature", 0.0)), int(pick(top_k, "top_k", 0)),
-                          float(pick(top_p, "top_p", 1.0)), min_p, seed)
+                          float(pick(top_p, "top_p", 1.0)), min_p,
+                          None if seed is None or seed == -1 else seed)  # -1: random, as in llama.cpp
 
 
 def settings_policy(settings):

@@ -12,13 +12,13 @@ one expert at a time), read with O_DIRECT, so converting needs about one tensor'
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
 from ...errors import UsageError
+from ...outputs import publish, temp_beside
 from ..loader import BIASES, PROJECTIONS, LoadedModel
 from ..models import BY_GGUF_ARCH, names_for
 from .gguf_tokenizer import add_tokenizer
@@ -198,9 +198,7 @@ def write_gguf(
     c = model.config
     arch = GGUF_ARCH[c.arch]
     reader = FileReader(direct=True)
-    folder = os.path.dirname(os.path.abspath(out_path))
-    fd, tmp = tempfile.mkstemp(prefix=".s2moe-", suffix=".gguf.tmp", dir=folder)
-    os.close(fd)
+    tmp = temp_beside(out_path, ".gguf.tmp")
     try:
         w = gguf.GGUFWriter(tmp, arch)
         w.add_name(os.path.basename(model.path.rstrip("/")))
@@ -255,8 +253,7 @@ def write_gguf(
             data = None
             _drop_written(w)
         w.close()
-        os.chmod(tmp, 0o666 & ~_umask())  # a temp file is 0600: give the result the usual mode
-        os.replace(tmp, out_path)
+        publish(tmp, out_path)  # a temp file is 0600: the result gets the umask's mode
     finally:
         reader.close()
         if os.path.exists(tmp):
@@ -271,12 +268,6 @@ def _drop_written(w) -> None:
         f.flush()
         os.fdatasync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _add_arch_metadata(w, c) -> None:
