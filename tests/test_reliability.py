@@ -412,7 +412,11 @@ def test_every_documented_row_names_a_test_that_exists():
     import re
 
     text = open(os.path.join(ROOT, "docs", "reliability.md"), encoding="utf-8").read()
-    rows = [line for line in text.splitlines() if line.startswith("|") and not line.startswith(("| hostile", "|---"))]
+    rows, table = [], None
+    for line in text.splitlines():
+        table = (table or line) if line.startswith("|") else None  # a table's first row is its header
+        if table and table.startswith("| hostile") and not line.startswith(("| hostile", "|---")):
+            rows.append(line)
     assert len(rows) >= 20
     tests_dir = os.path.join(ROOT, "tests")
     for row in rows:
@@ -423,6 +427,26 @@ def test_every_documented_row_names_a_test_that_exists():
             source = open(os.path.join(tests_dir, file), encoding="utf-8").read()
             if name:
                 assert re.search(rf"def {name}\b", source), f"{file}::{name} named in docs/reliability.md is missing"
+
+
+def test_every_exit_code_is_documented():
+    """The exit-code table of docs/reliability.md holds every code the error table can return."""
+    import re
+
+    from s2moe.runtime.cli.errors import ERROR_TABLE
+    from s2moe.runtime.errors import S2MoEError
+
+    text = open(os.path.join(ROOT, "docs", "reliability.md"), encoding="utf-8").read()
+    documented = {int(c) for c in re.findall(r"^\| (\d+) \|", text, flags=re.M)}
+    codes = {code for _, code, _ in ERROR_TABLE} | {130, 0, 1}
+    codes |= {getattr(cls, "exit_code", 2) for cls in _subclasses(S2MoEError)}
+    assert codes <= documented, f"undocumented exit codes {codes - documented}"
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
 
 
 # -- budgets and hot-expert files through `s2moe run` ---------------------------------------------
