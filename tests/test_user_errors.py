@@ -162,3 +162,8 @@ def test_specbench_is_not_shipped_and_the_error_says_how_to_supply_it(tmp_path):
     r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "bench", "--workload", "specbench", "--methods",
                         "ar"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     one_line(r, "specbench", "S2MOE_WORKLOADS")
+
+
+def test_help_prints_brackets_as_written():
+    r = s2moe("run", "--help", env={"COLUMNS": "200"})
+    assert r.returncode == 0 and '{"gpu_experts": [[layer, expert], ...]}' in r.stdout
