@@ -165,5 +165,5 @@ def test_specbench_is_not_shipped_and_the_error_says_how_to_supply_it(tmp_path):
 
 
 def test_help_prints_brackets_as_written():
-    r = s2moe("run", "--help", env={"COLUMNS": "200"})
-    assert r.returncode == 0 and '{"gpu_experts": [[layer, expert], ...]}' in r.stdout
+    r = s2moe("run", "--help")
+    assert r.returncode == 0 and " ".join(r.stdout.split()).count('{"gpu_experts": [[layer, expert], ...]}') == 1
