@@ -1,4 +1,4 @@
-"""S²-MoE vs AR and the baselines on the embedded default model: `s2moe bench` at several budgets
+"""S²-MoE vs AR and the baselines (embedded default model, or --model): `s2moe bench` at several budgets
 over HumanEval, GSM8K and MT-Bench prompts, in one process per configuration.
 
     python benchmarks/speculative.py [--n-prompts 8] [--max-tokens 64] [--budgets 1.0,0.25,0.1]
@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="cost constants from this profile instead of start-up estimates")
     ap.add_argument("--emulate-bandwidth", type=float, default=None)
     ap.add_argument("--emulate-latency", type=float, default=0.0)
+    ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded model); "
+                    "tools/widen_model.py makes the cost-realistic one")
+    ap.add_argument("--rg-variant", default="paper", help="reuse-aware gating variant: paper, code or resident")
     ap.add_argument("--out", default="docs/results/speculative")
     args = ap.parse_args()
 
@@ -47,10 +50,10 @@ def main() -> None:
 
     engine_kw = ({"emulate_bandwidth": args.emulate_bandwidth, "emulate_latency": args.emulate_latency}
                  if args.emulate_bandwidth else {})
-    loaded = load_model(str(DEFAULT_MODEL))
+    loaded = load_model(args.model or str(DEFAULT_MODEL))
     tok = load_tokenizer(loaded)
     prof = load_profile(args.profile) if args.profile else None
-    settings = make_settings(loaded.config, None, None, None, None, "paper", prof)
+    settings = make_settings(loaded.config, None, None, None, None, args.rg_variant, prof)
     methods = args.methods.split(",")
     records: list[Record] = []
     for budget in args.budgets.split(","):
