@@ -244,6 +244,31 @@ MUTATIONS: list[Mutation] = [
              "            f.read(1 << 20)\n", ["tests/test_reliability.py", "-k", "fingerprint"], "two models with the same shapes share a fingerprint"),
     Mutation("export-expert-mib-as-mb", "calib/fit_export.py", 'mib = m["expert_bytes_stored"] / MIB',
              'mib = m["expert_bytes_stored"] / 1e6', T_EXPORT, "expert size exported in MB, not MiB"),
+    # interop, serve, new-user defects (issues 17, 18)
+    Mutation("gguf-kv-heads-not-repeated", "runtime/model/formats/gguf_writer.py",
+             'return c.arch == "olmoe" and c.qk_norm == "full" and c.num_kv_heads < c.num_heads', "return False",
+             ["tests/test_interop.py"], "grouped-query OLMoE exported with a k_norm llama.cpp refuses"),
+    Mutation("gguf-unrepeat-takes-wrong-copy", "runtime/model/dense.py",
+             "return np.arange(rows).reshape(-1, repeat, head_dim)[:, 0].reshape(-1)",
+             "return np.arange(rows).reshape(repeat, -1, head_dim)[0].reshape(-1)",
+             ["tests/test_interop.py", "-k", "same_logits"], "repeated KV heads read back in the wrong order"),
+    Mutation("pre-tokenizer-always-default", "runtime/model/formats/gguf_tokenizer.py",
+             'w.add_tokenizer_pre(pre or "default")', 'w.add_tokenizer_pre("default")',
+             ["tests/test_interop.py", "-k", "pre_tokenizer"], "llama.cpp told to split text its own way"),
+    Mutation("hub-revision-ignored", "runtime/model/hub.py", "snapshot_download(repo, revision=revision,",
+             "snapshot_download(repo, revision=None,", ["tests/test_hub.py"], "--model org/name@rev reads main"),
+    Mutation("serve-disconnect-ignored", "runtime/serve/app.py",
+             "            finally:  # the client went away (or the stream ended): a running job stops at its next token\n"
+             "                job.cancelled.set()",
+             "            finally:\n                pass", ["tests/test_serve.py", "-k", "disconnect"],
+             "a client that went away keeps the decoder busy"),
+    Mutation("serve-stop-string-kept", "runtime/serve/worker.py", "self.stopped, text = True, text[: min(hits)]",
+             "self.stopped = True", ["tests/test_serve.py", "-k", "stop"], "the stop string left in the text"),
+    Mutation("convert-overwrites-input", "runtime/outputs.py",
+             "if os.path.exists(inp) and os.path.samefile(path, inp):", "if False:",
+             ["tests/test_user_errors.py", "-k", "input"], "convert writes over its own model"),
+    Mutation("context-not-enforced", "runtime/cli/run.py", "    if prompt_tokens + max_tokens > context:",
+             "    if False:", ["tests/test_user_errors.py", "-k", "context"], "-n past the context runs on"),
 ]
 
 
