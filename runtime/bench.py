@@ -46,6 +46,26 @@ def resolve_workload(name: str) -> Path:
                      "specbench is not shipped: pass its .jsonl path or set $S2MOE_WORKLOADS to its folder")
 
 
+def time_breakdown(start: dict, end: dict, spent: dict, seconds: float, tokens: int) -> dict:
+    """Where a generated token's decode time goes, in ms: draft and verification compute, reads the
+    pass waited for (the critical path), reads a prefetch hid behind compute, and the rest (AR steps
+    of a speculative method, sampling, bookkeeping; all of AR's compute)."""
+    def fetch(phase: str) -> float:
+        a, b = start["phases"].get(phase), end["phases"].get(phase)
+        return (b["fetch_seconds"] if b else 0.0) - (a["fetch_seconds"] if a else 0.0)
+
+    waited = {ph: fetch(ph) for ph in ("draft", "verify", "ar")}
+    hidden = end["prefetch"]["hidden_seconds"] - start["prefetch"]["hidden_seconds"]
+    n = max(tokens, 1) / 1e3
+    parts = {"draft_compute": spent["draft"] - waited["draft"], "verify_compute": spent["verify"] - waited["verify"],
+             "fetch_critical": sum(waited.values())}
+    parts["other_compute"] = seconds - spent["draft"] - spent["verify"] - waited["ar"]
+    out = {k: round(v / n, 3) for k, v in parts.items()}
+    out["fetch_hidden"] = round(hidden / n, 3)  # overlapped with compute: not part of the total
+    out["total"] = round(seconds / n, 3)
+    return out
+
+
 def phase_bytes(report: dict) -> int:
     return sum(p["bytes_read"] for name, p in report["phases"].items() if name not in ("load", "estimate", "prefill"))
 
@@ -70,9 +90,13 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs, params)
         decoder.generate(ids[0][:16], 4)  # warm-up, untimed
         samples, acc, reuse, tokens, seconds, fetched = [], [], [], 0, 0.0, 0
-        before = phase_bytes(engine.cache.report())
+        start = engine.cache.report()
+        before = phase_bytes(start)
+        spent = {"draft": 0.0, "verify": 0.0}
         for p in ids:
             result = decoder.generate(p, max_tokens)
+            spent["draft"] += result.metrics.draft_seconds
+            spent["verify"] += result.metrics.verify_seconds
             st = result.stats()
             samples.append(result.decode_tokens_per_s)
             acc.append(st["acceptance_length"])
@@ -82,7 +106,9 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
             seconds += result.decode_seconds
             if progress:
                 progress(name)
-        fetched = phase_bytes(engine.cache.report()) - before
+        end = engine.cache.report()
+        fetched = phase_bytes(end) - before
+        breakdown = time_breakdown(start, end, spent, seconds, tokens)
         engine.close()
         emulation = engine.emulation.describe() if engine.emulation.active else None
         engine = decoder = None  # the next method's engine loads its experts into freed memory
@@ -97,6 +123,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                    "reuse_ratio": statistics.mean(reuse) if reuse else None,
                    "bytes_fetched_per_token": fetched / max(tokens, 1),
                    "decode_tokens_per_s_aggregate": throughput[name],
+                   "ms_per_token": breakdown,
                    "cost_constants": costs.to_dict() if costs else None},
         ))
     base = throughput.get("ar")
