@@ -37,9 +37,17 @@ def probe_cmd(
 ):
     """Describe this machine: CPU, memory, GPUs (NVML), Jetson board, storage behind the model."""
     with cli_errors():
-        from s2moe.runtime.device import probe
+        import os
 
-        facts = probe(model).to_dict()
+        from s2moe.runtime.cli.common import resolve_model
+        from s2moe.runtime.device import probe
+        from s2moe.runtime.errors import UsageError
+
+        path = resolve_model(model) if model else None
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"--model {model}: no such file or folder; pass the model file or folder to report the "
+                             "storage behind it, or leave --model out")
+        facts = probe(path).to_dict()
         if json_out:
             print_json(facts)
             return

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from s2moe.runtime.checks import number
 from s2moe.runtime.cli.common import print_json, say
 from s2moe.runtime.cli.errors import cli_errors
 
@@ -35,14 +36,26 @@ def fit(
             raise UsageError(f"{samples_path}: samples file not found") from None
         except (ValueError, KeyError, TypeError):
             raise UsageError(f"{samples_path}: no 'verification' samples; was it written by s2moe-calib profile?") from None
+        check_samples(samples_path, controlled, "verification")
+        check_samples(samples_path, decode, "decode_verification")
+        prof = load_profile(profile_path) if profile_path else None
+        if prof is not None:
+            same_measurement(data, prof, samples_path)
         model, r2, mape = fit_cost_model(controlled, decode)
         ms = 1e3
         fitted = {"t_base_ms": model.intercept_ * ms, "t_token_ms": model.coef_[0] * ms,
                   "t_exp_miss_ms": model.coef_[1] * ms, "t_exp_hit_ms": model.coef_[2] * ms,
                   "fit": {"r2": round(r2, 5), "mape_percent": round(mape * 100, 3), "n": model.n_samples_}}
-        if profile_path:
-            prof = load_profile(profile_path)
+        for key in ("t_base_ms", "t_token_ms", "t_exp_miss_ms", "t_exp_hit_ms"):
+            number(f"{samples_path}: fitted {key}", fitted[key])  # finite, or one line (the samples are degenerate)
+        if prof is not None:
             prof.data["cost_model"].update(fitted)
+            if prof.data.get("source") == "published":  # its cost model is no longer the published one
+                prof.data["source"] = "measured"
+                published = prof.data.pop("published", None)
+                prof.data["note"] = (f"{prof.data.get('note', '')} Cost model refitted from {os.path.basename(samples_path)}"
+                                     f" (published flags were {json.dumps(published)}).").strip()
+            prof.data["validation"] = None  # a verdict on the old constants says nothing about these
             save_profile(profile_path, prof.data)
             say(f"updated {profile_path}")
         if json_out:
@@ -50,6 +63,45 @@ def fit(
         else:
             for k, v in fitted.items():
                 print(f"{k}: {v}")
+
+
+def check_samples(samples_path: str, samples, field: str) -> None:
+    """Every timing sample: the cost model's features and its seconds, finite and non-negative."""
+    from s2moe.runtime.decoding.cost_model import FEATURES
+    from s2moe.runtime.errors import UsageError
+
+    if not isinstance(samples, list):
+        raise UsageError(f"{samples_path}: field {field} must be a list of samples; re-run s2moe-calib profile")
+    for i, sample in enumerate(samples):
+        for key in (*FEATURES, "seconds"):
+            if not isinstance(sample, dict) or key not in sample:
+                raise UsageError(f"{samples_path}: {field}[{i}] has no {key!r}; re-run s2moe-calib profile")
+            number(f"{samples_path}: {field}[{i}].{key}", sample[key], low=0)
+
+
+def same_measurement(samples: dict, prof, samples_path: str) -> None:
+    """Samples go into a profile only when they were measured on its model and device, as --resume
+    requires: one line naming the profile, exit 2, otherwise."""
+    from s2moe.runtime.errors import UsageError
+
+    fingerprint = samples.get("fingerprint")
+    if fingerprint is None and isinstance(samples.get("model"), str) and os.path.exists(samples["model"]):
+        from s2moe.runtime.model.loader import load_model
+        from s2moe.runtime.profile import model_fingerprint
+
+        fingerprint = model_fingerprint(load_model(samples["model"], dense=False))  # samples of older versions
+    model = prof.data["model"]
+    if fingerprint is None:
+        raise UsageError(f"{samples_path}: records no model fingerprint and its model {samples.get('model')!r} is "
+                         f"not there, so it cannot be matched with {prof.path}; re-run s2moe-calib profile")
+    if fingerprint != model["fingerprint"]:
+        raise UsageError(f"{prof.path}: made for model {model['name']} ({model['fingerprint']}), but "
+                         f"{samples_path} was measured on {samples.get('model')} ({fingerprint}); fit into that "
+                         "model's profile, or re-run s2moe-calib profile for this one")
+    kind = prof.data["device"]["kind"]
+    if samples.get("device") not in (None, kind):
+        raise UsageError(f"{prof.path}: made for a {kind} device, but {samples_path} was measured on "
+                         f"{samples['device']}; fit into that device's profile")
 
 
 def llama_cpp_flags(profile: dict) -> dict:
@@ -68,10 +120,10 @@ def llama_cpp_flags(profile: dict) -> dict:
 def export(
     profile_path: str = typer.Option(..., "--profile", "-p", help="Profile to export."),
     fmt: str = typer.Option("llama-cpp", "--format", help="llama-cpp (the published S²-MoE fork)."),
-    hot_out: Optional[str] = typer.Option(None, "--hot-out", help="Where to write the hot list (default: PROFILE.hot.json)."),
+    hot_out: Optional[str] = typer.Option(None, "--hot-out", help="Also write the hot list here (the fork's --hot-experts file); nothing is written without it."),
     json_out: bool = typer.Option(False, "--json", help="Print the flags as JSON instead of a command line."),
 ):
-    """Print the published fork's flags for a profile and write its hot-expert list."""
+    """Print the published fork's flags for a profile (and write its hot-expert list with --hot-out)."""
     with cli_errors():
         from s2moe.runtime.errors import UsageError
         from s2moe.runtime.profile import load_profile, write_json_atomic
@@ -81,10 +133,15 @@ def export(
         prof = load_profile(profile_path)
         flags = llama_cpp_flags(prof.data)
         hot = prof.hot_experts
-        target = hot_out or os.path.splitext(profile_path)[0] + ".hot.json"
-        write_json_atomic(target, {"gpu_experts": [list(k) for k in hot]})
+        if hot_out is not None:
+            if os.path.exists(hot_out) and os.path.samefile(hot_out, profile_path):
+                raise UsageError(f"--hot-out {hot_out}: that is the profile being exported; name another file")
+            write_json_atomic(hot_out, {"gpu_experts": [list(k) for k in hot]})
         if json_out:
             print_json(flags)
         else:
             print(" ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items()))  # plain: no wrapping
-        say(f"hot list ({len(hot)} experts) written to {target}")
+        if hot_out is not None:
+            say(f"hot list ({len(hot)} experts) written to {hot_out}")
+        elif hot:
+            say(f"the profile pins {len(hot)} hot experts: add --hot-out FILE to write them for the fork's --hot-experts")

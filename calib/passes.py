@@ -12,20 +12,23 @@ from .replay import CapturedPass, WeightPool, capture_passes
 @contextmanager
 def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spec: dict, costs,
                   emulation: dict | None, tokens: int, pool: WeightPool, progress=None,
-                  fetch_threads: int | None = None, backend=None, offload_tier: str = "file"
+                  fetch_threads: int | None = None, backend=None, offload_tier: str = "file",
+                  kv_positions: int = 4096, batch: int | None = None, budget_from: str = "--budget"
                   ) -> Iterator[list[CapturedPass]]:
     """Every verification pass of real S²-MoE decoding (reuse-aware gating on) at a budget, draft
     caps cycling 1..cap so every batch size occurs, captured for replay. The engine stays open
-    (the passes replay on it) until the block ends."""
+    (the passes replay on it) until the block ends. ``kv_positions`` and ``batch``: the memory plan
+    of the run the passes stand for (calib/plan.py), so the experts get the capacity that run has."""
     from s2moe.runtime.kernels.backend import NUMPY
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.decoding.methods import SpecSettings, get_method
     from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
     emulation = emulation or {}
-    engine = build_engine(loaded.path, budget, 4096, hot, emulate_bandwidth=emulation.get("bandwidth_mb_s"),
+    engine = build_engine(loaded.path, budget, kv_positions, hot, emulate_bandwidth=emulation.get("bandwidth_mb_s"),
                           emulate_latency=emulation.get("latency_us") or 0.0, loaded=loaded, fetch_threads=fetch_threads,
-                          backend=backend or NUMPY, offload_tier=offload_tier)
+                          backend=backend or NUMPY, offload_tier=offload_tier, batch=batch,
+                          budget_from=budget_from)
     try:
         task = progress.add_task("decode passes (capture)", total=len(prompts)) if progress else None
         with capture_passes(engine.model, "verify", pool) as passes:

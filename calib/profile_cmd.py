@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shlex
 from contextlib import contextmanager
 from typing import Optional
 
@@ -19,8 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from s2moe import __version__
-from s2moe.runtime.offload.memory import Budget, plan_memory
 from s2moe.runtime.cli.common import err, print_json, resolve_model, say
+from s2moe.runtime.checks import number
 from s2moe.runtime.cli.errors import cli_errors
 from s2moe.runtime.cli.spec_options import default_draft_topk
 from s2moe.runtime.decoding.cost_model import FEATURES, VerificationCostModel
@@ -32,6 +33,7 @@ from s2moe.runtime.model.routing import TARGET, RoutingPolicy
 
 from . import hot as hot_mod
 from . import measure
+from . import plan as plan_mod
 from . import replay as replay_mod
 from .devices import resolve_device
 from .passes import decode_passes
@@ -106,8 +108,10 @@ def fit_cost_model(controlled: list[dict], decode: list[dict] = ()) -> tuple[Ver
 def run_profile(model_path: str, device: str, budget: str | None, workload: str | None, out: str,
                 draft_topk: int | None, samples_n: int, emulate_bandwidth: float | None, emulate_latency: float,
                 fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False,
-                rounds: int = replay_mod.DEFAULT_ROUNDS, backend="auto") -> dict:
-    """``backend``: a name for `profile_backend`, or a `Backend` (tests pass a CPU stand-in)."""
+                rounds: int = replay_mod.DEFAULT_ROUNDS, backend="auto", context: int | None = None) -> dict:
+    """``backend``: a name for `profile_backend`, or a `Backend` (tests pass a CPU stand-in).
+    ``context``: prompt + generated tokens the runs will use; the KV reservation, the hot list and
+    the decode passes are planned for it as `s2moe run` plans (see plan.py)."""
     from s2moe.runtime.offload.cache import ExpertCache
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.model.loader import load_model
@@ -122,11 +126,19 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     c = loaded.config
     tok = load_tokenizer(loaded)
     profiling, heldout, workload_path = _workload_tokens(tok, workload)
-    draft_k = draft_topk or default_draft_topk(c.top_k)
+    draft_k = default_draft_topk(c.top_k) if draft_topk is None else \
+        int(number("--draft-topk", draft_topk, low=1, high=c.top_k, integer=True))
     draft_cap = 8
+    ctx = plan_mod.context_tokens(plan_mod.DEFAULT_CONTEXT if context is None else context,
+                                  c.max_position_embeddings)
+    # the plan `s2moe run` makes for a run of ctx tokens: a budget too small fails here, at once
+    plan = plan_mod.run_plan(loaded, budget, ctx, draft_cap, arrays)
+    kv_positions, pass_batch = plan_mod.kv_positions(ctx, draft_cap), plan_mod.batch(ctx, draft_cap)
+    fingerprint = model_fingerprint(loaded)
     emulation = Emulation(emulate_bandwidth, emulate_latency)
     samples_path = os.path.splitext(out)[0] + ".samples.json"
-    gathered: dict = {"model": loaded.path, "device": kind, "budget": budget or "1.0",
+    gathered: dict = {"model": loaded.path, "fingerprint": fingerprint, "device": kind, "budget": budget or "1.0",
+                      "context_tokens": ctx,
                       "emulation": [emulate_bandwidth, emulate_latency], "fetch_threads": fetch_threads,
                       "rounds": rounds, "backend": arrays.name}
     if resume:
@@ -156,13 +168,13 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
 
         # hot experts for the budget (traces run with no budget in the way)
         model = MoEModel(loaded, ExpertCache(store, capacity_bytes=None, place=arrays.upload_expert), arrays)
-        plan = plan_memory(loaded, Budget.parse(budget), 4096)
         t = progress.add_task("routing traces (hot experts)", total=len(profiling) + len(heldout))
         tick = lambda: progress.advance(t)  # noqa: E731
         residency = gathered.get("hot_experts")
         if residency is None:
             traces = (measure.routing_traces(model, profiling, tick), measure.routing_traces(model, heldout, tick))
-            sizes = {k: e.resident_bytes for k, e in loaded.experts.items()}
+            size_of = plan_mod.expert_size(arrays)
+            sizes = {k: size_of(e) for k, e in loaded.experts.items()}
             residency = hot_mod.plan_residency(*traces, sizes, plan.expert_capacity)
         progress.update(t, completed=len(profiling) + len(heldout))
         keep("hot_experts", residency)
@@ -175,8 +187,10 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         steps = gathered.get("decode_steps") or {}
         for name, policy_for in (("t_ar", TARGET), ("c_draft", RoutingPolicy(top_k=draft_k))):
             if name not in steps:
-                engine = build_engine(loaded.path, budget, 4096, pinned, policy, emulate_bandwidth, emulate_latency,
-                                      loaded=loaded, fetch_threads=fetch_threads, backend=arrays, offload_tier=tier)
+                engine = build_engine(loaded.path, budget, kv_positions, pinned, policy, emulate_bandwidth,
+                                      emulate_latency, loaded=loaded, fetch_threads=fetch_threads, backend=arrays,
+                                      offload_tier=tier, batch=pass_batch)
+                assert engine.plan.expert_capacity == plan.expert_capacity, "profile and run plans differ"
                 steps[name] = measure.decode_step_times(engine.model, prompts, decode_tokens, policy_for, tick)
                 engine.close()
                 keep("decode_steps", steps)
@@ -203,7 +217,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
             placeholder = CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0)  # threshold 0: unused
             emu = {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
             with decode_passes(loaded, profiling[:16] if in_situ is None else [], budget, pinned, spec, placeholder,
-                               emu, 32, pool, progress, fetch_threads, arrays, tier) as decoded:
+                               emu, 32, pool, progress, fetch_threads, arrays, tier,
+                               kv_positions=kv_positions, batch=pass_batch) as decoded:
                 t = progress.add_task(f"replays ({rounds} rounds)", total=rounds * (len(controlled) + len(decoded)))
                 replay_mod.replay(controlled + decoded, pool, rounds, lambda: progress.advance(t))
             ver = ver if ver is not None else [p.sample() for p in controlled]
@@ -227,12 +242,14 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                                    + ("CUDA-event timing" if arrays.on_device else "perf_counter wall time"),
                    "emulation": emulation.describe() if emulation.active else None, "facts": facts},
         "model": {"name": os.path.basename(loaded.path.rstrip("/")), "architecture": c.arch,
-                  "fingerprint": model_fingerprint(loaded), "fingerprint_policy": "warn", "layers": c.num_layers,
+                  "path": os.path.abspath(loaded.path), "fingerprint": fingerprint, "fingerprint_policy": "warn",
+                  "layers": c.num_layers,
                   "experts": c.num_experts, "top_k": c.top_k,
                   "expert_bytes_stored": next(iter(loaded.experts.values())).stored_bytes,
                   "expert_bytes_resident": next(iter(loaded.experts.values())).resident_bytes,
                   "expert_bytes_per_layer": per_layer},
-        "budget": {"spec": budget or "1.0", "expert_capacity_bytes": plan.expert_capacity, "total_bytes": plan.total},
+        "budget": {"spec": budget or "1.0", "expert_capacity_bytes": plan.expert_capacity, "total_bytes": plan.total,
+                   "context_tokens": ctx, "kv_positions": kv_positions},
         "offload": {"bandwidth_mb_s": round(bw["bandwidth_mb_s"], 3), "latency_us": round(bw["latency_us"], 3),
                     "fit_r2": round(bw["fit_r2"], 5), "fetch_threads": fetch_threads,
                     "request_sizes": bw["request_sizes"],
@@ -260,6 +277,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
 
 def summary_table(profile: dict) -> Table:
     c, o, h = profile["cost_model"], profile["offload"], profile["hot_experts"] or {}
+    b = profile["budget"]
     t = Table(title=f"device profile · {profile['device']['kind']} · {profile['model']['name']} · "
                     f"budget {profile['budget']['spec']}")
     t.add_column("quantity")
@@ -274,6 +292,8 @@ def summary_table(profile: dict) -> Table:
         ("cost fit (in-sample)", f"R² {c['fit']['r2']:.4f} · MAPE {c['fit']['mape_percent']:.2f} % · n {c['fit']['n']}"),
         ("T_AR median / p90", f"{c['t_ar_ms']:.3f} / {c['t_ar_p90_ms']:.3f} ms"),
         ("C_draft (draft k %d)" % profile["speculative"]["draft_topk"], f"{c['c_draft_ms']:.3f} ms"),
+        ("budget plan", f"{b['spec']}: {b['expert_capacity_bytes']:,} bytes for experts, runs of up to "
+                        f"{b['context_tokens']} tokens ({b['kv_positions']} KV positions)"),
         ("residency strategy", f"{h.get('strategy')} ({len(h.get('gpu_experts', []))} pinned)"),
         ("held-out hit rates", ", ".join(f"{k} {v:.1%}" for k, v in (h.get("heldout_hit_rates") or {}).items())),
     ]
@@ -282,19 +302,42 @@ def summary_table(profile: dict) -> Table:
     return t
 
 
+# the in-sample fit below these is worth a warning: validate will most likely fail too
+POOR_FIT_R2 = 0.9
+POOR_FIT_MAPE_PERCENT = 10.0
+
+
+def fit_warning(profile: dict) -> str | None:
+    """One line when the profile's own cost fit is poor, naming what to do; else None."""
+    fit = profile["cost_model"].get("fit") or {}
+    r2, mape = fit.get("r2"), fit.get("mape_percent")
+    if r2 is None or mape is None or (r2 >= POOR_FIT_R2 and mape <= POOR_FIT_MAPE_PERCENT):
+        return None
+    return (f"warning: the cost fit is poor (R² {r2:.3f}, MAPE {mape:.1f} %; wanted R² ≥ {POOR_FIT_R2}, "
+            f"MAPE ≤ {POOR_FIT_MAPE_PERCENT:g} %): raise --samples or --rounds, profile on an idle machine, "
+            "and check it with s2moe-calib validate")
+
+
+def check_counts(**flags) -> None:
+    """Whole-number flags with their least value, through the one validation path (checks.py)."""
+    for flag, (value, low) in flags.items():
+        number(flag, value, low=low, integer=True)
+
+
 def profile(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, orin or rtx4090."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model to profile (default: the embedded model)."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget the profile is for (16g, 0.25, …)."),
+    ctx_size: int = typer.Option(plan_mod.DEFAULT_CONTEXT, "--ctx-size", help="Context the runs will use (prompt + generated tokens): KV, workspace and the hot list are planned for it as s2moe run plans; longer runs leave less room for experts."),
     workload: Optional[str] = typer.Option(None, "--workload", "-w", help="JSONL prompts (default: the packaged set)."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Profile path (default profiles/<device>-<model>.json)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Profile path (default profiles/<detected device>-<model>.json)."),
     draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token to time C_draft with."),
-    samples: int = typer.Option(150, "--samples", min=10, help="Timed verification passes for the cost fit."),
-    decode_tokens: int = typer.Option(24, "--decode-tokens", min=4, help="Decode steps per prompt for T_AR / C_draft."),
+    samples: int = typer.Option(150, "--samples", help="Timed verification passes for the cost fit (at least 10)."),
+    decode_tokens: int = typer.Option(24, "--decode-tokens", help="Decode steps per prompt for T_AR / C_draft (at least 4)."),
     backend: str = typer.Option("auto", "--backend", help="Backend to time: auto (NumPy for --device cpu, else CuPy when usable), numpy or cupy."),
-    rounds: int = typer.Option(replay_mod.DEFAULT_ROUNDS, "--rounds", min=1,
+    rounds: int = typer.Option(replay_mod.DEFAULT_ROUNDS, "--rounds",
                                help="Interleaved replays per timed pass; its time is the fastest."),
-    fetch_threads: int = typer.Option(8, "--fetch-threads", min=1, help="Concurrent expert reads (the runtime's default is 8; the profile records it and validate uses it)."),
+    fetch_threads: int = typer.Option(8, "--fetch-threads", help="Concurrent expert reads (the runtime's default is 8; the profile records it and validate uses it)."),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated request latency µs."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its samples file."),
@@ -302,14 +345,23 @@ def profile(
 ):
     """Measure T_exp, T_AR, C_draft, expert bytes, bandwidth and hot experts; write a profile."""
     with cli_errors():
-        resolve_device(device)  # a wrong --device fails before any model work
+        check_counts(**{"--samples": (samples, 10), "--decode-tokens": (decode_tokens, 4), "--rounds": (rounds, 1),
+                        "--fetch-threads": (fetch_threads, 1), "--ctx-size": (ctx_size, 2)})
+        if draft_topk is not None:
+            number("--draft-topk", draft_topk, low=1, integer=True)  # and at most top-k, once the model is read
+        if emulate_bandwidth is not None:
+            number("--emulate-bandwidth", emulate_bandwidth, low=0, low_open=True)
+        number("--emulate-latency", emulate_latency, low=0)
+        kind, _ = resolve_device(device)  # a wrong --device fails before any model work
         path = resolve_model(model)
+        if not os.path.exists(path):
+            raise UsageError(f"--model {model}: no such file or folder; pass an HF folder or a .gguf file")
         name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
-        target = out or os.path.join("profiles", f"{device}-{name}.json")
+        target = out or os.path.join("profiles", f"{kind}-{name}.json")  # the device found, not "auto"
         try:
             data = run_profile(path, device, budget, workload, target, draft_topk, samples, emulate_bandwidth,
                                emulate_latency, fetch_threads, decode_tokens, resume=resume, rounds=rounds,
-                               backend=backend)
+                               backend=backend, context=ctx_size)
         except KeyboardInterrupt:
             samples_path = os.path.splitext(target)[0] + ".samples.json"
             say(f"interrupted: {target} is unchanged; samples so far are in {samples_path}; "
@@ -317,6 +369,10 @@ def profile(
             raise
         save_profile(target, data)
         err.print(summary_table(data))
-        say(f"wrote {target} (samples beside it); next: s2moe-calib validate --profile {target}")
+        warning = fit_warning(data)
+        if warning:
+            say(warning, "yellow")
+        say(f"wrote {target} (samples beside it; planned for runs of up to {data['budget']['context_tokens']} "
+            f"tokens of context); next: s2moe-calib validate --profile {shlex.quote(target)}")
         if json_out:
             print_json(data)

@@ -5,12 +5,19 @@ and residency, with draft caps cycling 1..cap so verification batches of every s
 compares each measured verification pass with the profile's prediction: R², MAPE (%), n and
 residual percentiles. Exits 1 below ``--min-r2`` or above ``--max-mape``.
 
+The model is the profile's own (``model.path``) unless ``--model`` names another; a model whose
+fingerprint differs from the profile's is validated with a one-line warning (and without the
+profile's hot list). The result is recorded in the profile's ``validation`` field (atomically)
+when the model is the profile's.
+
 A pass's measured time is the fastest of ``--rounds`` interleaved replays of it from its own cache
 state and KV context (`replay`); the single-shot figures of the original passes are reported too.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
 import sys
 from typing import Optional
 
@@ -19,8 +26,12 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from s2moe.runtime.cli.common import err, print_json, resolve_model
+from s2moe.runtime.checks import expert_pairs, number
+from s2moe.runtime.cli.common import err, print_json, resolve_model, say
 from s2moe.runtime.cli.errors import cli_errors
+from s2moe.runtime.errors import UsageError
+
+from . import plan as plan_mod
 
 from .passes import decode_passes
 from .replay import DEFAULT_ROUNDS, WeightPool, replay, single_shot_samples, spread
@@ -29,8 +40,6 @@ from .replay import DEFAULT_ROUNDS, WeightPool, replay, single_shot_samples, spr
 def measured_passes(profile, loaded, tok, workload: str | None, n_prompts: int, tokens: int, rounds: int,
                     progress=None) -> list:
     """Verification passes on the held-out half of the workload (profile fits on the other half)."""
-    from s2moe.runtime.profile import model_fingerprint
-
     from .profile_cmd import _workload_tokens
 
     _, heldout, _ = _workload_tokens(tok, workload)
@@ -38,16 +47,75 @@ def measured_passes(profile, loaded, tok, workload: str | None, n_prompts: int, 
 
     from .profile_cmd import profile_backend
 
-    same_model = profile.data["model"]["fingerprint"] == model_fingerprint(loaded)
+    same_model = same_model_as(profile, loaded)
+    where = profile.path or "profile"
+    ctx = plan_mod.profile_context(profile.data, where)
+    draft_cap = profile.speculative["draft_cap"]
     offload, device = profile.data.get("offload") or {}, profile.data["device"]
     arrays = profile_backend(device.get("backend") or "numpy", device["kind"])  # as the profile was measured
     pool = WeightPool()
-    with decode_passes(loaded, heldout[:n_prompts], profile.budget_spec, profile.hot_experts if same_model else None,
+    hot = expert_pairs(profile.hot_experts, loaded.config, f"{where}: hot_experts.gpu_experts") if same_model else None
+    with decode_passes(loaded, heldout[:n_prompts], profile.budget_spec, hot,
                        profile.speculative, profile.costs, offload.get("emulation"), tokens, pool, progress,
-                       offload.get("fetch_threads"), arrays, engine_tier(device["offload_tier"])) as passes:
+                       offload.get("fetch_threads"), arrays, engine_tier(device["offload_tier"]),
+                       kv_positions=plan_mod.kv_positions(ctx, draft_cap), batch=plan_mod.batch(ctx, draft_cap),
+                       budget_from=f"{where}: budget.spec") as passes:
         task = progress.add_task(f"replays ({rounds} rounds)", total=rounds * len(passes)) if progress else None
         replay(passes, pool, rounds, (lambda: progress.advance(task)) if progress else (lambda: None))
     return passes
+
+
+def same_model_as(profile, loaded) -> bool:
+    from s2moe.runtime.profile import model_fingerprint
+
+    return profile.data["model"]["fingerprint"] == model_fingerprint(loaded)
+
+
+def model_for(prof, model: str | None) -> str:
+    """--model as given, else the model the profile was made with (``model.path``), else (presets,
+    older profiles) the embedded model."""
+    if model:
+        path = resolve_model(model)
+        if not os.path.exists(path):
+            raise UsageError(f"--model {model}: no such file or folder; pass an HF folder or a .gguf file")
+        return path
+    recorded = prof.data["model"].get("path")
+    if recorded is None:
+        return resolve_model(None)
+    if not isinstance(recorded, str) or not os.path.exists(recorded):
+        raise UsageError(f"{prof.path}: model.path {recorded!r} (the profile's model) is not there; "
+                         "pass --model PATH")
+    return recorded
+
+
+def workload_for(prof, workload: str | None) -> str | None:
+    """--workload as given, else the one the profile was made with (its held-out half), if it is still there."""
+    if workload:
+        return workload
+    recorded = (prof.data.get("provenance") or {}).get("workload")
+    return recorded if isinstance(recorded, str) and os.path.isfile(recorded) else None
+
+
+def record(prof, summary: dict, model_path: str, workload: str | None) -> None:
+    """The verdict into the profile's ``validation`` field (atomic write); a profile that cannot be
+    written (read-only) keeps its old field, with a one-line note."""
+    from s2moe import __version__
+    from s2moe.runtime.profile import save_profile
+
+    prof.data["validation"] = {
+        "r2": summary["r2"], "mape_percent": summary["mape_percent"], "n": summary["n"],
+        "passed": summary["passed"], "min_r2": summary["min_r2"], "max_mape_percent": summary["max_mape_percent"],
+        "single_shot": summary["single_shot"], "rounds": summary["timing"].get("rounds"),
+        "model": os.path.abspath(model_path), "workload": workload or "packaged",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "tool_version": __version__,
+    }
+    try:
+        save_profile(prof.path, prof.data)
+    except OSError as exc:
+        say(f"note: could not record the result in {prof.path} ({exc.strerror or exc}); the verdict stands", "yellow")
+        return
+    say(f"recorded in {prof.path} (field validation)", "dim")
 
 
 def evaluate(profile, samples: list) -> dict:
@@ -96,11 +164,11 @@ def plot(result: dict, path: str) -> None:
 
 def validate(
     profile_path: str = typer.Option(..., "--profile", "-p", help="Profile to validate."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model (default: the embedded model)."),
-    workload: Optional[str] = typer.Option(None, "--workload", "-w", help="JSONL prompts (default: the packaged set)."),
-    n_prompts: int = typer.Option(16, "--n-prompts", min=1, help="Held-out prompts to decode."),
-    tokens: int = typer.Option(32, "--max-tokens", "-n", min=2, help="Tokens per prompt."),
-    rounds: int = typer.Option(DEFAULT_ROUNDS, "--rounds", min=1,
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model (default: the profile's model)."),
+    workload: Optional[str] = typer.Option(None, "--workload", "-w", help="JSONL prompts (default: the profile's workload, else the packaged set)."),
+    n_prompts: int = typer.Option(16, "--n-prompts", help="Held-out prompts to decode (at least 1)."),
+    tokens: int = typer.Option(32, "--max-tokens", "-n", help="Tokens per prompt (at least 2)."),
+    rounds: int = typer.Option(DEFAULT_ROUNDS, "--rounds",
                                help="Interleaved replays per pass; its time is the fastest (1 = single shot)."),
     min_r2: float = typer.Option(0.95, "--min-r2", help="Exit 1 below this R²."),
     max_mape: float = typer.Option(5.0, "--max-mape", help="Exit 1 above this MAPE, in percent."),
@@ -113,15 +181,25 @@ def validate(
         from s2moe.runtime.profile import load_profile
         from s2moe.runtime.model.tokenizer import load_tokenizer
 
+        from .profile_cmd import check_counts
+
+        check_counts(**{"--n-prompts": (n_prompts, 1), "--max-tokens": (tokens, 2), "--rounds": (rounds, 1)})
+        number("--min-r2", min_r2)
+        number("--max-mape", max_mape, low=0)
         prof = load_profile(profile_path)
-        loaded = load_model(resolve_model(model))
+        model_path = model_for(prof, model)
+        workload = workload_for(prof, workload)
+        loaded = load_model(model_path)
+        same = same_model_as(prof, loaded)
+        if not same:
+            say(f"warning: {profile_path} was made for model {prof.data['model']['name']} (fingerprint "
+                f"{prof.data['model']['fingerprint']}), not {model_path}: validating its cost model on this model, "
+                "without its hot list; the result is not recorded in the profile", "yellow")
         tok = load_tokenizer(loaded)
         with Progress(console=err, transient=True) as p:
             passes = measured_passes(prof, loaded, tok, workload, n_prompts, tokens, rounds, p)
         samples = [q.sample() for q in passes]
         if len(samples) < 3:
-            from s2moe.runtime.errors import UsageError
-
             raise UsageError("too few verification passes to validate; raise --n-prompts or --max-tokens")
         result = evaluate(prof, samples)
         if plot_path:
@@ -132,6 +210,8 @@ def validate(
         summary.update(profile=profile_path, passed=ok, min_r2=min_r2, max_mape_percent=max_mape,
                        timing={"estimator": "fastest of interleaved replays", **spread(passes)},
                        single_shot={"r2": single["r2"], "mape_percent": single["mape_percent"]})
+        if same:
+            record(prof, summary, model_path, workload)
         if json_out:
             print_json(summary)
         else:

@@ -150,10 +150,14 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     prof = load_profile(str(out))
     assert prof.data["source"] == "measured" and prof.data["budget"]["spec"] == "0.5"
     assert os.path.exists(tmp_path / "tiny.samples.json")
-    r = calib("validate", "--profile", str(out), "-m", calib_model, "-w", WORKLOAD, "--n-prompts", "4",
+    # no --model: validate checks the profile's own model (not the embedded one) and records its verdict
+    r = calib("validate", "--profile", str(out), "-w", WORKLOAD, "--n-prompts", "4",
               "--max-tokens", "12", "--json", "--min-r2", "-1000", "--max-mape", "1000", "--rounds", "3")
     assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr
     res = json.loads(r.stdout)
+    recorded = load_profile(str(out)).data["validation"]
+    assert recorded["model"] == os.path.abspath(calib_model) and recorded["r2"] == res["r2"]
     assert {"r2", "mape_percent", "n", "single_shot"} <= set(res) and res["n"] >= 3
     assert res["timing"]["rounds"] == 3  # every pass timed by three interleaved replays
     strict = calib("validate", "--profile", str(out), "-m", calib_model, "-w", WORKLOAD, "--n-prompts", "2",

@@ -147,6 +147,12 @@ def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
                     "acceptance_length", "reuse_ratio", "bytes_fetched_per_token", "commit"):
             assert key in rec, key
         assert len(rec["decode_tokens_per_s"]["samples"]) == 3 and rec["budget"] == "0.5"
+        t = rec["ms_per_token"]  # the parts on the critical path add up to the decode time
+        parts = t["draft_compute"] + t["verify_compute"] + t["other_compute"] + t["fetch_critical"]
+        assert parts == pytest.approx(t["total"], abs=0.01) and min(t.values()) >= -0.01
+        assert t["total"] == pytest.approx(1e3 / rec["decode_tokens_per_s_aggregate"], rel=0.01)
+    assert records[0]["ms_per_token"]["draft_compute"] == records[0]["ms_per_token"]["verify_compute"] == 0
+    assert records[1]["ms_per_token"]["draft_compute"] > 0 and records[1]["ms_per_token"]["verify_compute"] > 0
     assert records[0]["speedup_vs_ar"] == pytest.approx(1.0)
     assert (tmp_path / "b.csv").read_text().count("\n") == 4
 
