@@ -138,8 +138,8 @@ def build_engine(
                 break
             kept.append(key)
             used += size(key)
-        _note(f"--budget leaves {fmt_bytes(plan.expert_capacity)} for experts: pinning the profile's first "
-              f"{len(kept)} of {len(hot)} hot experts")
+        _note(f"{budget_from} leaves {fmt_bytes(plan.expert_capacity)} for experts at this context: pinning the "
+              f"profile's first {len(kept)} of {len(hot)} hot experts")
         hot = kept
     if hot and sum(map(size, hot)) > plan.expert_capacity:
         where = hot_experts if isinstance(hot_experts, str) else "hot experts"

@@ -167,3 +167,26 @@ def test_specbench_is_not_shipped_and_the_error_says_how_to_supply_it(tmp_path):
 def test_help_prints_brackets_as_written():
     r = s2moe("run", "--help")
     assert r.returncode == 0 and " ".join(r.stdout.split()).count('{"gpu_experts": [[layer, expert], ...]}') == 1
+
+
+def test_a_profiles_hot_list_is_trimmed_when_a_longer_context_leaves_less_room(tmp_path):
+    """A profile planned for a short context, run with a long one: its budget leaves fewer bytes
+    for experts, so its hot list is trimmed by rank with one note instead of refusing the run."""
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.profile import model_fingerprint
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    data = json.load(open(os.path.join(root, "profiles", "orin-16g.json")))
+    data.pop("published")
+    data.update(source="measured", budget={"spec": "36m"},
+                hot_experts={"gpu_experts": [[L, e] for e in range(30) for L in range(4)]})  # 120 experts, 21 MB
+    data["model"]["fingerprint"] = model_fingerprint(load_model(str(DEFAULT_MODEL)))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    short = s2moe("run", "-p", PROMPT, "-n", "8", "--method", "ar", "--profile", str(path))
+    assert short.returncode == 0 and "pinning the profile's first" not in short.stderr
+    long = s2moe("run", "-p", PROMPT, "-n", "1500", "--ignore-eos", "--method", "ar", "--profile", str(path),
+                 "--json")
+    assert long.returncode == 0, long.stderr
+    note = [line for line in long.stderr.splitlines() if "pinning the profile's first" in line]
+    assert len(note) == 1 and "of 120 hot experts" in note[0] and "budget.spec" in note[0]

@@ -66,7 +66,9 @@ def apply_profile(profile_path: str | None, loaded, budget: str | None, hot_expe
     from_profile = budget is None
     return ProfileChoice(prof, prof.budget_spec if from_profile else budget, hot,
                          f"{profile_path}: budget.spec" if from_profile else "--budget",
-                         trim_hot=not from_profile and hot is not None and hot_experts is None)
+                         # the profile's own list is trimmed by rank to what this run's plan leaves
+                         # (another budget, or a longer context than the profile planned for)
+                         trim_hot=hot is not None and hot_experts is None)
 
 
 def describe_costs(costs) -> str:
