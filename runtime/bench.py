@@ -72,7 +72,9 @@ def phase_bytes(report: dict) -> int:
 
 def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str | None, n_prompts: int,
               max_tokens: int, settings: SpecSettings, costs: CostConstants | None, params: SamplingParams,
-              progress=None, estimate=None, hot=None, engine_kw: dict | None = None) -> list[Record]:
+              progress=None, estimate=None, hot=None, engine_kw: dict | None = None,
+              live: bool = False) -> list[Record]:
+    """``live``: AE's constants follow each method's passes (LiveCosts), from ``costs`` or the estimate."""
     path = resolve_workload(workload)
     prompts = load_workload(path)[:n_prompts]
     ids = [tokenizer.encode(p).ids[-512:] for p in prompts]  # long prompts: keep the tail
@@ -87,7 +89,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded, **(engine_kw or {}))
         if costs is None and estimate is not None:
             costs = estimate(engine.model, ids[0], draft_policy)
-        decoder = SpeculativeDecoder(engine.model, spec, settings, costs, params)
+        decoder = SpeculativeDecoder(engine.model, spec, settings, costs, params, live=live and costs is not None)
         decoder.generate(ids[0][:16], 4)  # warm-up, untimed
         samples, acc, reuse, tokens, seconds, fetched = [], [], [], 0, 0.0, 0
         start = engine.cache.report()
@@ -111,6 +113,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         breakdown = time_breakdown(start, end, spent, seconds, tokens)
         engine.close()
         emulation = engine.emulation.describe() if engine.emulation.active else None
+        live_now = decoder.live.current().to_dict() if decoder.live else None
         engine = decoder = None  # the next method's engine loads its experts into freed memory
         throughput[name] = tokens / seconds if seconds else 0.0
         records.append(Record(
@@ -124,7 +127,8 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                    "bytes_fetched_per_token": fetched / max(tokens, 1),
                    "decode_tokens_per_s_aggregate": throughput[name],
                    "ms_per_token": breakdown,
-                   "cost_constants": costs.to_dict() if costs else None},
+                   "cost_constants": costs.to_dict() if costs else None,
+                   "live_costs": live_now},
         ))
     base = throughput.get("ar")
     for r in records:

@@ -267,6 +267,11 @@ MUTATIONS: list[Mutation] = [
     Mutation("convert-overwrites-input", "runtime/outputs.py",
              "if os.path.exists(inp) and os.path.samefile(path, inp):", "if False:",
              ["tests/test_user_errors.py", "-k", "input"], "convert writes over its own model"),
+    Mutation("live-costs-never-restart", "runtime/decoding/live_costs.py", "if self.off_run >= self.RUN:",
+             "if False:", ["tests/test_live_costs.py"], "a slowed disk averaged away over many passes"),
+    Mutation("live-costs-not-used", SPEC,
+             "v.hits - before[1], took)\n                self.costs = self.live.current()",
+             "v.hits - before[1], took)\n                pass", ["tests/test_live_costs.py", "-k", "decoder_uses"], "AE keeps the stale constants"),
     Mutation("context-not-enforced", "runtime/cli/run.py", "    if prompt_tokens + max_tokens > context:",
              "    if False:", ["tests/test_user_errors.py", "-k", "context"], "-n past the context runs on"),
 ]

@@ -30,6 +30,7 @@ def bench(
     draft_fallback: str = typer.Option("best", "--draft-fallback", help="A draft token whose experts are all absent: best (the best resident expert) or skip (no experts in that layer)."),
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
+    no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the cost constants fixed instead of following the passes the run makes."),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     seed: Optional[int] = typer.Option(0, "--seed"),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
@@ -84,7 +85,7 @@ def bench(
                                            "preload": True, "budget_from": chosen.budget_from,
                                            "trim_hot": chosen.trim_hot},
                                 progress=lambda name: progress.update(task, advance=1, description=name),
-                                estimate=estimate_costs)
+                                estimate=estimate_costs, live=not no_live_costs)
         emulated = records[0].params.get("emulation")
         table = Table(title=f"{records[0].params['workload']} · budget {chosen.budget or 'full'} · "
                             f"{records[0].params['n_prompts']} prompts × {max_tokens} tokens"

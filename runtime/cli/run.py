@@ -31,6 +31,7 @@ def run(
     draft_fallback: str = typer.Option("best", "--draft-fallback", help="A draft token whose experts are all absent: best (the best resident expert) or skip (no experts in that layer)."),
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
+    no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the profile's (or start-up) cost constants fixed instead of following the passes this run makes."),
     no_share_kv: bool = typer.Option(False, "--no-share-kv", help="Ablation: the draft keeps its own KV cache."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy (argmax). Default: the model's generation_config.json, else 0."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
@@ -88,7 +89,8 @@ def run(
             costs = estimate_costs(engine.model, ids, settings_policy(settings))
             say(f"no --profile: estimated cost constants at start-up from timed passes: "
                       f"{describe_costs(costs)}", "dim")
-        decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), params)
+        decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), params,
+                                     live=costs is not None and not no_live_costs)
         stream = _Streamer(tok) if not json_out else None
         stop_ids = () if ignore_eos else loaded.config.eos_token_ids
         result = decoder.generate(ids, limit, stop_ids, on_token=stream.push if stream else None)
@@ -97,7 +99,8 @@ def run(
         engine.close()
         report = engine.report()  # after the run: the measured peaks
         text = tok.decode(result.tokens)
-        stats = {**result.stats(), **_per_token(report, len(result.tokens)), "method": spec.name,
+        live = live_report(decoder, profile if chosen.profile is not None else None)
+        stats = {**result.stats(), **_per_token(report, len(result.tokens)), "method": spec.name, "live_costs": live,
                  "context": context, "sampling": {"temperature": params.temperature, "top_k": params.top_k,
                                                   "top_p": params.top_p, "min_p": params.min_p, "seed": params.seed},
                  "draft_topk": settings.draft_topk,
@@ -108,6 +111,28 @@ def run(
             return
         stream.finish()
         print_summary(stats)
+
+
+DRIFT = 0.10  # live constants this far from the profile's: say so
+
+
+def live_report(decoder, profile_path: str | None) -> dict | None:
+    """The live cost constants at the end of a run and their drift from the profile's; one line
+    when a constant the run measured often enough moved more than 10 %."""
+    if decoder.live is None:
+        return None
+    live = decoder.live
+    drift = live.drift()
+    evidence = {"t_ar": live.t_ar.n, "c_draft": live.c_draft.n, "t_exp_miss": live.passes, "t_exp_hit": live.passes}
+    moved = {k: v for k, v in drift.items() if abs(v) > DRIFT and evidence[k] >= 20}
+    if profile_path and moved:
+        from .spec_options import describe_costs
+
+        worst = max(moved, key=lambda k: abs(moved[k]))
+        say(f"note: this run's costs drifted from {profile_path} ({worst} {moved[worst]:+.0%}; now "
+            f"{describe_costs(live.current())}); refresh it: s2moe-calib profile --out {profile_path}", "yellow")
+    return {"constants": live.current().to_dict(), "drift": {k: round(v, 4) for k, v in drift.items()},
+            "verify_passes": live.passes}
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:

@@ -69,7 +69,7 @@ def serve(
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
             costs = estimate_costs(engine.model, tok.encode("def main():\n    return 0\n").ids, settings_policy(settings))
             say(f"no --profile: estimated cost constants at start-up: {describe_costs(costs)}", "dim")
-        decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs())
+        decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), live=costs is not None)
         label = name or os.path.basename(os.path.normpath(loaded.path))
         worker = Worker(engine, decoder, tok, c.eos_token_ids, context, label)
         app = create_app(worker, template, loaded.generation_defaults)

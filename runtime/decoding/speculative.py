@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .cost_model import CostConstants
+from .live_costs import LiveCosts
 from ..engine import phase_of
 from .generate import GenerationResult
 from .gating import ReuseGating
@@ -58,9 +59,12 @@ class SpecResult(GenerationResult):
 
 class SpeculativeDecoder:
     def __init__(self, model: MoEModel, method: MethodSpec, settings: SpecSettings, costs: CostConstants,
-                 params: SamplingParams = SamplingParams()):
+                 params: SamplingParams = SamplingParams(), live: bool = False):
+        """``live``: AE's constants follow the passes this decoder makes (LiveCosts), starting
+        from ``costs``; otherwise ``costs`` stay fixed."""
         c = model.config
         self.model, self.method, self.costs, self.params = model, method, costs, params
+        self.live = LiveCosts(costs) if live else None
         self.settings = settings.validate(c.top_k, c.num_experts)
         self.top_k = c.top_k
         self.cache = model.experts
@@ -257,6 +261,9 @@ class SpeculativeDecoder:
         if stats is not None:
             v = stats["verify"]
             self.metrics.verify_samples.append((len(tokens), v.misses - before[0], v.hits - before[1], took))
+            if self.live:
+                self.live.observe_verify(len(tokens), v.misses - before[0], v.hits - before[1], took)
+                self.costs = self.live.current()
         best, offset = None, 0
         for b, d in enumerate(branches):
             a, nxt = self._accept_chain(logits, d, rng, offset)
@@ -344,6 +351,9 @@ class SpeculativeDecoder:
             if m.admit == "none" or length == 0:
                 with phase_of(self.model, "ar"):
                     logits, _ = self.model.forward([root], kv, logits="last", record=False)
+                if self.live:
+                    self.live.observe_ar(time.perf_counter() - started)
+                    self.costs = self.live.current()
                 kv.commit(P + 1)
                 self.metrics.ar_steps += 1
                 done = emit([sample(logits[-1], self.params, rng)])
@@ -351,7 +361,7 @@ class SpeculativeDecoder:
                 continue
             history = prompt + out
             feed = history[draft_kv.filled:] if not m.share_kv else [root]
-            td = time.perf_counter()
+            td, passes = time.perf_counter(), self.metrics.draft_passes
             with phase_of(self.model, "draft"):
                 root_logits, root_experts = self._draft_root(feed, draft_kv)
                 branches = [self._draft_chain(draft_kv, rng, length, root_logits, root_experts)]
@@ -361,6 +371,8 @@ class SpeculativeDecoder:
                     branches.append(self._draft_chain(draft_kv, rng, length, root_logits, root_experts,
                                                       first=runner_up))
             self.metrics.draft_seconds += time.perf_counter() - td
+            if self.live:
+                self.live.observe_draft(time.perf_counter() - td, self.metrics.draft_passes - passes)
             branches = [b for b in branches if b.tokens] or branches[:1]
             if m.admit == "utility":  # back off after a draft that admitted nothing (see SpecSettings)
                 self._skip, self._wait = (self._wait, min(2 * self._wait, 16)) if not branches[0].tokens else (0, 1)

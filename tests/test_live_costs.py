@@ -1,0 +1,83 @@
+"""Live recalibration: the cost constants AE uses follow the passes a run makes. On synthetic
+passes the estimator recovers known coefficients and follows a step change; on the default model
+under an emulated slow tier whose bandwidth a test changes mid-run, the live T_exp (miss) follows
+the new link within 10 % after 20 verification passes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from s2moe.runtime.cli.common import DEFAULT_MODEL
+from s2moe.runtime.decoding.cost_model import CostConstants
+from s2moe.runtime.decoding.live_costs import LiveCosts
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+from s2moe.runtime.engine import build_engine
+
+PRIOR = CostConstants(t_ar=5e-3, c_draft=3e-3, t_exp_miss=1e-3, t_exp_hit=5e-5, t_base=2e-3, t_token=3e-4)
+
+
+def _passes(rng, n, miss):
+    for _ in range(n):
+        tokens, missing = int(rng.integers(1, 9)), int(rng.integers(0, 12))
+        resident = int(rng.integers(8, 40))
+        seconds = 2e-3 + 3e-4 * tokens + miss * missing + 5e-5 * resident
+        yield tokens, missing, resident, seconds * (1 + 0.02 * rng.standard_normal())
+
+
+def test_estimator_recovers_and_follows_a_step_change(rng):
+    live = LiveCosts(PRIOR)
+    for p in _passes(rng, 40, 4e-3):  # the device is 4× slower than the profile says
+        live.observe_verify(*p)
+    assert abs(live.current().t_exp_miss / 4e-3 - 1) < 0.05
+    for p in _passes(rng, 20, 1.5e-3):  # the disk recovers: 20 passes later the estimate follows
+        live.observe_verify(*p)
+    assert abs(live.current().t_exp_miss / 1.5e-3 - 1) < 0.10
+    assert live.drift()["t_exp_miss"] > 0.4  # still 1.5× the profile's: reported as drift
+    for _ in range(30):
+        live.observe_draft(0.012, 3)
+    assert abs(live.current().c_draft / 4e-3 - 1) < 0.02
+
+
+def test_without_passes_the_profile_is_returned():
+    live = LiveCosts(PRIOR)
+    now = live.current()
+    assert (now.t_ar, now.c_draft, now.t_exp_miss, now.t_exp_hit) == (5e-3, 3e-3, 1e-3, 5e-5)
+    assert set(live.drift().values()) == {0.0}
+
+
+def _run_until(decoder, ids, passes: int) -> None:
+    goal = decoder.live.passes + passes
+    for _ in range(40):
+        if decoder.live.passes >= goal:
+            return
+        decoder.generate(ids, 24)
+    raise AssertionError(f"only {decoder.live.passes} verification passes observed")
+
+
+def test_live_miss_cost_follows_the_emulated_link_changed_mid_run():
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 256, emulate_bandwidth=20.0)
+    expert = engine.cache.store.stored_bytes(0, 0)
+    settings = SpecSettings(draft_topk=2, draft_cap=4, prefetch=False)  # no prefetch: misses wait whole
+    decoder = SpeculativeDecoder(engine.model, get_method("ca"), settings, PRIOR, live=True)
+    ids = [int(t) for t in np.random.default_rng(7).integers(0, 6000, 12)]
+    _run_until(decoder, ids, 30)
+    first = decoder.live.current()
+    assert abs(first.t_exp_miss / (expert / 20e6) - 1) < 0.10  # one 20 MB/s transfer per miss
+    engine.emulation.bandwidth_mb_s = 5.0  # the link slows 4× mid-run
+    _run_until(decoder, ids, 20)
+    after = decoder.live.current()
+    assert abs(after.t_exp_miss / (expert / 5e6) - 1) < 0.10, (after.t_exp_miss, expert / 5e6)
+
+
+def test_decoder_uses_the_live_constants_and_keeps_them_fixed_without_live():
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 256, emulate_bandwidth=20.0)
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 6000, 12)]
+    settings = SpecSettings(draft_topk=2, draft_cap=4, prefetch=False)
+    live = SpeculativeDecoder(engine.model, get_method("ca"), settings, PRIOR, live=True)
+    live.generate(ids, 24)
+    assert live.costs.source == "live" and live.costs == live.live.current()
+    assert live.costs.t_exp_miss > 2 * PRIOR.t_exp_miss  # a 20 MB/s link: ~8.6 ms a miss, not 1 ms
+    fixed = SpeculativeDecoder(engine.model, get_method("ca"), settings, PRIOR)
+    fixed.generate(ids, 24)
+    assert fixed.costs is PRIOR and fixed.live is None
