@@ -35,7 +35,9 @@ def device():
 
 def test_selection_states_its_reason(monkeypatch):
     assert B.select_backend("numpy").name == "numpy"
-    monkeypatch.setattr(B, "cuda_unusable_reason", lambda: "CuPy is not installed (pip install 's2moe[cuda]')")
+    real = B.cuda_unusable_reason
+    monkeypatch.setattr(B, "cuda_unusable_reason", lambda module=None: real(module) if module is not None else
+                        "CuPy is not installed (pip install 's2moe[cuda]')")
     auto = B.select_backend("auto")
     assert auto.name == "numpy" and auto.reason.startswith("auto: CuPy is not installed")
     with pytest.raises(UsageError, match="--backend cupy: CuPy is not installed"):
@@ -107,9 +109,10 @@ def test_host_tier_serves_pinned_experts_and_decodes_the_same(loaded, device):
         engine.close()
     assert outs[0] == outs[1]
     store = build_engine(loaded.path, "0.25", 64, None, loaded=loaded, backend=device, offload_tier="host").cache.store
-    w = store.read_many(0, [3])[0]
+    w = store.read(0, 3)
     # pinned as stored bytes (staged copies skip a memcpy, and the host tier holds F16, not float32)
     assert w.pinned and type(w.gate.data) is np.ndarray and w.gate.data.flags.c_contiguous and w.gate.dtype == "F16"
+    assert fake_cupy._pinned_block(w.gate.data) is not None
     with pytest.raises(UsageError, match="--offload-tier 'ssd'"):
         build_engine(loaded.path, "0.25", 64, None, loaded=loaded, offload_tier="ssd")
 

@@ -11,10 +11,15 @@ and routing. A pass has exactly these device → host reads (the synchronisation
 - at the end, the logits [T or 1, V] for sampling and acceptance.
 
 Expert weights reach the device through `Backend.upload_expert`: decoded weights are staged in
-pinned host memory (orin mode: file → pinned → device; in rtx4090 mode, `HostTier`, they already
-live there) and copied on a separate stream with one event per expert; `wait` makes the compute
-stream wait for that event only, so the next expert's copy overlaps the current expert's compute
-(the cache fetches a layer's misses together). Weights stay in their stored encoding on the device
+pinned host memory, in the layout they have (a C-ordered buffer for a Fortran-ordered matrix would
+make CuPy transpose it through pageable memory), and copied on a separate stream with one event per
+expert (file tier: file → pinned → device; host tier, `HostTier`: they already live pinned);
+`wait` makes the compute stream wait for that event only, so the next expert's copy overlaps the
+current expert's compute (the cache fetches a layer's misses together). Staging buffers and the
+device arrays stay referenced until their event has completed: neither CuPy's pinned pool nor its
+per-stream device pool may hand them out while the copy stream still uses them. On an integrated
+GPU (Jetson Orin: the device property ``integrated``; host and device share DRAM) nothing is staged
+or pinned: pinning would only hold each expert twice in the same memory. Weights stay in their stored encoding on the device
 too (`kernels/stored.py` `DeviceStored`): a product decodes a few MiB of rows at a time on the
 device (the block decoders are written on the array namespace) and multiplies with cuBLAS.
 """
@@ -57,9 +62,10 @@ class Backend:
     xp: Any
     reason: str  # why this backend (for the run summary)
     host_reads: int = 0  # device → host copies so far (the synchronisations)
+    integrated: bool = False  # the device shares the host's memory (Jetson Orin): no pinned staging
     empty_pinned: Any = field(default=None, repr=False)  # page-locked host allocator (cupyx.empty_pinned)
     _copy_stream: Any = field(default=None, repr=False)
-    _in_flight: list = field(default_factory=list, repr=False)  # (event, staging buffers) until copied
+    _in_flight: list = field(default_factory=list, repr=False)  # (event, buffers it uses) until copied
 
     @property
     def on_device(self) -> bool:
@@ -107,16 +113,24 @@ class Backend:
             self.xp.cuda.get_current_stream().synchronize()
 
     def pin(self, a: np.ndarray) -> np.ndarray:
-        """A C-ordered copy of ``a`` in page-locked host memory (asynchronous copies need it)."""
-        buf = self.empty_pinned(a.shape, a.dtype) if self.empty_pinned else np.empty(a.shape, a.dtype)
+        """A copy of ``a`` in page-locked host memory (asynchronous copies need it), in ``a``'s
+        layout (Fortran-ordered stays Fortran-ordered: the copy to the device is then a memcpy)."""
+        order = _order(a)
+        if self.empty_pinned:
+            buf = self.empty_pinned(a.shape, a.dtype, order=order)
+        else:
+            buf = np.empty(a.shape, a.dtype, order=order)
         buf[...] = a
         return buf
 
     def pin_expert(self, w):
         """`ExpertWeights` with every part in pinned host memory (`HostTier`; copies skip staging);
-        stored matrices keep their encoding (their bytes are pinned)."""
+        stored matrices keep their encoding (their bytes are pinned). On an integrated GPU the
+        weights stay as they are: the device reads the same DRAM, pinning would add a copy."""
         from .stored import StoredMatrix
 
+        if self.integrated:
+            return w
         parts = {}
         for name, a in _parts(w).items():
             if a is None:
@@ -127,39 +141,66 @@ class Backend:
                 parts[name] = self.pin(a)
         return replace(w, **parts, pinned=True, alloc_bytes=None)
 
+    def limit_memory(self, nbytes: int | None) -> None:
+        """Cap CuPy's memory pool at ``nbytes`` (the budget), so the budget binds on the device
+        and is not bookkeeping only; None lifts the cap."""
+        if self.on_device:
+            self.xp.get_default_memory_pool().set_limit(size=int(nbytes or 0))
+
     def upload_expert(self, w):
         """Host `ExpertWeights` → device, copied on the copy stream; the result carries the event
-        its consumer must wait for (`wait`). Identity on NumPy."""
-        if not self.on_device or w is None:
+        its consumer must wait for (`wait`). Identity on NumPy and for weights already uploaded."""
+        if not self.on_device or w is None or getattr(w, "ready", None) is not None or _on_device(w):
             return w
         xp = self.xp
         if self._copy_stream is None:
             self._copy_stream = xp.cuda.Stream(non_blocking=True)
-        self._in_flight = [(e, bufs) for e, bufs in self._in_flight if not e.done]  # staging buffers free again
-        staged, parts = [], {}
+        self._in_flight = [(e, held) for e, held in self._in_flight if not e.done]  # copied: free to go
+        held, parts = [], {}
         for name, a in _parts(w).items():
             if a is None:
                 parts[name] = None
                 continue
             host = a.data if _stored(a) else a  # a stored matrix travels as its bytes
-            src = host if getattr(w, "pinned", False) else self.pin(host)  # rtx4090 mode: already pinned
-            staged.append(src)
-            dev = xp.empty(host.shape, host.dtype)
+            if self.integrated or getattr(w, "pinned", False):
+                src = host  # shared memory: nothing to stage / host tier: already pinned
+            else:
+                src = self.pin(host)
+            dev = xp.empty(host.shape, host.dtype, order=_order(src))  # the source's layout: a memcpy
             dev.set(src, stream=self._copy_stream)
+            held += [src, dev]  # both in use by the copy stream until its event
             if _stored(a):
                 from .stored import DeviceStored
 
                 dev = DeviceStored(dev, a.dtype, a.shape, xp)
             parts[name] = dev
         event = self._copy_stream.record()
-        self._in_flight.append((event, staged))
+        self._in_flight.append((event, held))
         return replace(w, **parts, ready=event, pinned=False, alloc_bytes=None)
+
+    def land(self, ws) -> None:
+        """Wait on the host until the copies of ``ws`` have landed (one sync on the last event:
+        the copy stream runs in order). Fetches are timed to completion with this."""
+        events = [w.ready for w in ws if getattr(w, "ready", None) is not None]
+        if events and self.on_device:
+            events[-1].synchronize()
 
     def wait(self, w) -> None:
         """Make the compute stream wait until ``w``'s copy has landed (no host sync)."""
         event = getattr(w, "ready", None)
         if event is not None and self.on_device:
             self.xp.cuda.get_current_stream().wait_event(event)
+
+
+def _order(a) -> str:
+    """"F" for an array that is Fortran- but not C-contiguous, else "C"."""
+    return "F" if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+
+
+def _on_device(w) -> bool:
+    from .stored import DeviceStored
+
+    return isinstance(w.gate, DeviceStored) or xp_of(w.gate) is not np
 
 
 def _stored(a) -> bool:
@@ -176,18 +217,55 @@ def _parts(w) -> dict:
 NUMPY = Backend("numpy", np, "requested")
 
 
-def cuda_unusable_reason() -> str | None:
-    """None when CuPy and a CUDA device are usable, else why not (one line)."""
+def cuda_unusable_reason(module=None) -> str | None:
+    """None when CuPy and a CUDA device are usable, else why not (one line). Usable means more than
+    a device being visible: a tiny matmul (cuBLAS) and a tiny RawKernel (NVRTC) must run, since a
+    cupy-cuda12x wheel without its CUDA libraries sees the device and fails at the first product
+    (DynamicLibNotFoundError). ``module`` substitutes the CuPy module (tests)."""
+    if module is None:
+        try:
+            import cupy as module
+        except ImportError:
+            return "CuPy is not installed (pip install 's2moe[cuda]')"
+        except Exception as exc:  # a broken install
+            return f"CuPy does not import ({_one_line(exc)})"
     try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install 's2moe[cuda]')"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
+        if module.cuda.runtime.getDeviceCount() < 1:
             return "no CUDA device"
     except Exception as exc:  # CUDARuntimeError when there is no driver
         return f"no usable CUDA device ({exc.__class__.__name__})"
+    step = "a matmul (cuBLAS)"
+    try:
+        a = module.asarray(np.eye(2, dtype=np.float32))
+        got = module.asnumpy(a @ a)
+        step = "a RawKernel (NVRTC)"
+        kernel = module.RawKernel(_PROBE, "s2_probe")
+        x = module.asarray(np.zeros(32, dtype=np.float32))
+        kernel((1,), (32,), (x,))
+        if not (np.array_equal(got, np.eye(2)) and np.array_equal(module.asnumpy(x), np.ones(32))):
+            return f"CuPy's CUDA device computes wrong results ({step} check)"
+    except Exception as exc:
+        return (f"CuPy cannot run {step} on the CUDA device ({_one_line(exc)}); its CUDA libraries are "
+                "missing: pip install 's2moe[cuda]' installs them (cupy-cuda12x[ctk])")
     return None
+
+
+_PROBE = 'extern "C" __global__ void s2_probe(float* x) { x[threadIdx.x] += 1.0f; }'
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(exc).split()) or "no message"
+    text = text if len(text) <= limit else text[:limit - 1] + "…"
+    return f"{exc.__class__.__name__}: {text}"
+
+
+def _integrated(module) -> bool:
+    try:
+        rt = module.cuda.runtime
+        props = rt.getDeviceProperties(rt.getDevice())
+        return bool(props.get("integrated", props.get(b"integrated", 0)))
+    except Exception:
+        return False
 
 
 def select_backend(name: str = "auto", module=None) -> Backend:
@@ -197,12 +275,12 @@ def select_backend(name: str = "auto", module=None) -> Backend:
         raise UsageError(f"--backend {name!r}: choose from {', '.join(BACKENDS)}")
     if name == "numpy":
         return Backend("numpy", np, "requested")
+    reason = cuda_unusable_reason(module)
+    if reason is not None:
+        if name == "cupy":
+            raise UsageError(f"--backend cupy: {reason}; use --backend numpy or auto")
+        return Backend("numpy", np, f"auto: {reason}")
     if module is None:
-        reason = cuda_unusable_reason()
-        if reason is not None:
-            if name == "cupy":
-                raise UsageError(f"--backend cupy: {reason}; use --backend numpy or auto")
-            return Backend("numpy", np, f"auto: {reason}")
         import cupy as module
         import cupyx
 
@@ -210,5 +288,8 @@ def select_backend(name: str = "auto", module=None) -> Backend:
     else:
         empty_pinned = getattr(module, "empty_pinned", None)
     _register(module.ndarray, module)
-    return Backend("cupy", module, "requested" if name == "cupy" else "auto: CUDA device found",
-                   empty_pinned=empty_pinned)
+    integrated = _integrated(module)
+    why = "requested" if name == "cupy" else "auto: CUDA device found"
+    if integrated:
+        why += " (integrated GPU: memory shared with the host, no pinned staging)"
+    return Backend("cupy", module, why, empty_pinned=empty_pinned, integrated=integrated)

@@ -370,9 +370,19 @@ class ExpertCache:
                 else:
                     stats.streamed += 1
                 group.append((key[1], w))
+            if not pending and not inflight:  # the last group: its copies (device) timed to completion
+                self._land(group)
             stats.fetch_seconds += time.perf_counter() - t0  # time the pass waited for reads
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
             yield group
+
+    def _land(self, group) -> None:
+        """Wait until the device copies of a layer's fetched experts have landed (one host sync on
+        the last copy event; the copy stream runs in order, so earlier groups have landed too):
+        without it an asynchronous copy is timed at its issue and a miss looks like a hit."""
+        land = getattr(getattr(self.place, "__self__", None), "land", None)
+        if land is not None:
+            land([w for _, w in group])
 
     # -- draft-guided prefetch --------------------------------------------------------------------
     def prefetch(self, keys: Iterable[Key]) -> int:

@@ -53,15 +53,38 @@ def test_expert_budget_holds_in_device_memory(loaded):
 
     dev = select_backend("cupy")
     pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
     engine = build_engine(loaded.path, "0.25", 256, None, loaded=loaded, backend=dev)
     SpeculativeDecoder(engine.model, get_method("ar"), SpecSettings(draft_topk=2), UNUSED).generate([5, 99, 1000], 24)
     cache = engine.cache
     assert cache.peak_resident_bytes <= cache.capacity
-    assert all(isinstance(w.gate, cp.ndarray) for w in cache.held.values())
+    assert all(isinstance(w.gate.data, cp.ndarray) for w in cache.held.values())
     dense = sum(a.nbytes for a in engine.model.W.values())
+    # what the pool holds from the device (total, cached free blocks included: used_bytes hides them):
     # resident experts + dense weights + KV + transient activations (generous 64 MiB)
-    assert pool.used_bytes() <= cache.capacity + dense + engine.model.new_cache(256).nbytes + (64 << 20)
+    bound = cache.capacity + dense + engine.model.new_cache(256).nbytes + (64 << 20)
+    assert pool.total_bytes() <= bound
+    dev.limit_memory(bound)  # the budget binds on the device: the pool refuses beyond it
+    try:
+        assert pool.get_limit() == bound
+        with pytest.raises(cp.cuda.memory.OutOfMemoryError):
+            cp.empty(bound + (1 << 20), dtype=cp.uint8)
+    finally:
+        dev.limit_memory(None)
     engine.close()
+
+
+def test_integrated_gpu_is_detected_and_stages_nothing(loaded):
+    """On Jetson Orin (``integrated``) experts go up without pinned staging; elsewhere staged."""
+    import cupy as cp
+
+    dev = select_backend("cupy")
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
+    assert dev.integrated == bool(props["integrated"])
+    w = build_engine(loaded.path, "0.25", 64, None, loaded=loaded, backend=NUMPY).cache.store.read(0, 3)
+    up = dev.upload_expert(w)
+    dev.wait(up)
+    assert np.array_equal(cp.asnumpy(up.gate.data), w.gate.data)
 
 
 def test_profile_on_the_gpu_measures_its_link_and_validates(tmp_path):
