@@ -119,6 +119,9 @@ def build_engine(
                        reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
                        prefetch=slots)
     release_freed_memory_promptly()
+    if backend.on_device and hasattr(backend, "limit_memory"):  # the budget binds on the device too;
+        # slack for the pool's allocation rounding and cuBLAS workspaces
+        backend.limit_memory(None if everything else int(plan.model_bytes * 1.05) + (32 << 20))
     loaded.load_dense(direct_io)
     emulation = Emulation(emulate_bandwidth, emulate_latency)
     store = ExpertStore(loaded, direct=direct_io, emulation=emulation,

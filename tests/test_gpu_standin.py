@@ -187,6 +187,17 @@ def test_an_integrated_gpu_stages_nothing_and_the_pool_takes_the_budget(loaded):
     assert not B.select_backend("cupy", module=fake).integrated
 
 
+def test_the_engine_caps_the_device_pool_at_its_plan(loaded):
+    dev = B.select_backend("cupy", module=fake)
+    engine = build_engine(loaded.path, "0.25", 256, None, loaded=loaded, backend=dev)
+    limit = fake.pool.get_limit()
+    assert engine.plan.model_bytes < limit <= 1.05 * engine.plan.model_bytes + (32 << 20)
+    assert fake.pool.total_bytes() <= limit
+    engine.close()
+    build_engine(loaded.path, None, 256, None, loaded=loaded, backend=dev).close()  # no budget: no cap
+    assert fake.pool.get_limit() == 0
+
+
 # -- 7. the strict stand-in: greedy tokens for both tiers and three budgets --------------------------
 
 def _greedy(loaded, arrays, tier, budget, method="s2moe"):
