@@ -1,4 +1,4 @@
-"""The `s2moe-calib` command: probe, profile, validate, fit, export, schema.
+"""The `s2moe-calib` command: probe, profile, validate, fit, export, predict, schema.
 
 One module per command; the runtime's error table turns user errors into one line and exit 2.
 """
@@ -14,6 +14,7 @@ from s2moe.runtime.cli.common import out, print_json
 from s2moe.runtime.cli.errors import cli_errors
 
 from .fit_export import export, fit
+from .predict import predict
 from .profile_cmd import profile
 from .validate_cmd import validate
 
@@ -28,6 +29,7 @@ app.command("profile")(profile)
 app.command("validate")(validate)
 app.command("fit")(fit)
 app.command("export")(export)
+app.command("predict")(predict)
 
 
 @app.command("probe")

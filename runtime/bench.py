@@ -73,8 +73,9 @@ def phase_bytes(report: dict) -> int:
 def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str | None, n_prompts: int,
               max_tokens: int, settings: SpecSettings, costs: CostConstants | None, params: SamplingParams,
               progress=None, estimate=None, hot=None, engine_kw: dict | None = None,
-              live: bool = False) -> list[Record]:
-    """``live``: AE's constants follow each method's passes (LiveCosts), from ``costs`` or the estimate."""
+              live: bool = False, trace=None) -> list[Record]:
+    """``live``: AE's constants follow each method's passes (LiveCosts), from ``costs`` or the estimate.
+    ``trace``: a `TraceRecorder` that records each method's timed passes."""
     path = resolve_workload(workload)
     prompts = load_workload(path)[:n_prompts]
     ids = [tokenizer.encode(p).ids[-512:] for p in prompts]  # long prompts: keep the tail
@@ -95,6 +96,8 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         start = engine.cache.report()
         before = phase_bytes(start)
         spent = {"draft": 0.0, "verify": 0.0}
+        if trace is not None:
+            trace.start(engine.cache)
         for p in ids:
             result = decoder.generate(p, max_tokens)
             spent["draft"] += result.metrics.draft_seconds
@@ -108,6 +111,8 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
             seconds += result.decode_seconds
             if progress:
                 progress(name)
+        if trace is not None:
+            trace.stop(name, tokens, seconds)
         end = engine.cache.report()
         fetched = phase_bytes(end) - before
         breakdown = time_breakdown(start, end, spent, seconds, tokens)

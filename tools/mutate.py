@@ -272,6 +272,11 @@ MUTATIONS: list[Mutation] = [
     Mutation("live-costs-not-used", SPEC,
              "v.hits - before[1], took)\n                self.costs = self.live.current()",
              "v.hits - before[1], took)\n                pass", ["tests/test_live_costs.py", "-k", "decoder_uses"], "AE keeps the stale constants"),
+    Mutation("predict-misses-priced-as-hits", "calib/predict.py", "costs.t_exp_miss * m + costs.t_exp_hit * h",
+             "costs.t_exp_hit * (m + h)", ["tests/test_predict.py"], "a replay that ignores the slow tier"),
+    Mutation("trace-drops-repeat-layers", "runtime/offload/cache.py",
+             "self.trace[-1][2].extend(k for k in dict.fromkeys(keys) if k not in self._pass_keys)",
+             "self.trace[-1][2].extend(keys[:1])", ["tests/test_predict.py"], "a trace missing a pass's experts"),
     Mutation("context-not-enforced", "runtime/cli/run.py", "    if prompt_tokens + max_tokens > context:",
              "    if False:", ["tests/test_user_errors.py", "-k", "context"], "-n past the context runs on"),
 ]

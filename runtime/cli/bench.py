@@ -39,6 +39,7 @@ def bench(
     offload_tier: str = typer.Option("file", "--offload-tier", help="file (SSD/disk) or host (pinned host RAM)."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the records (JSON) here; '-' for stdout."),
     csv_path: Optional[str] = typer.Option(None, "--csv", help="Write the records as CSV here."),
+    trace_path: Optional[str] = typer.Option(None, "--trace", help="Record each method's passes (experts per pass) here, for s2moe-calib predict."),
 ):
     """Benchmark decoding methods on the same prompts (AR first, warm-up untimed)."""
     with cli_errors():
@@ -55,7 +56,7 @@ def bench(
 
         from ..outputs import check_output, write_atomic
 
-        for path, flag in ((json_path, "--json"), (csv_path, "--csv")):  # fail now, not after the run
+        for path, flag in ((json_path, "--json"), (csv_path, "--csv"), (trace_path, "--trace")):  # fail now, not after the run
             if path and path != "-":
                 check_output(path, flag)
         names = [m.strip() for m in methods.split(",") if m.strip()]
@@ -74,6 +75,12 @@ def bench(
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch)
         params = SamplingParams(temperature=temperature, seed=seed)
+        recorder = None
+        if trace_path:
+            from ..decoding.trace import TraceRecorder
+
+            recorder = TraceRecorder(loaded, chosen.budget, f"{emulate_bandwidth} MB/s, {emulate_latency} µs"
+                                     if emulate_bandwidth else None)
         with Progress(console=err, transient=True) as progress:
             task = progress.add_task("bench", total=len(names) * n_prompts)
             costs = chosen.profile.costs if chosen.profile is not None else None
@@ -85,7 +92,7 @@ def bench(
                                            "preload": True, "budget_from": chosen.budget_from,
                                            "trim_hot": chosen.trim_hot},
                                 progress=lambda name: progress.update(task, advance=1, description=name),
-                                estimate=estimate_costs, live=not no_live_costs)
+                                estimate=estimate_costs, live=not no_live_costs, trace=recorder)
         emulated = records[0].params.get("emulation")
         table = Table(title=f"{records[0].params['workload']} · budget {chosen.budget or 'full'} · "
                             f"{records[0].params['n_prompts']} prompts × {max_tokens} tokens"
@@ -105,3 +112,7 @@ def bench(
             write_atomic(json_path, to_json(records, machine))
         if csv_path:
             write_atomic(csv_path, to_csv(records))
+        if recorder is not None:
+            recorder.write(trace_path)
+            say(f"wrote the routing trace {trace_path} (replay it: s2moe-calib predict --trace {trace_path} "
+                "--profile DEVICE.json)", "dim")

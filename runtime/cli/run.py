@@ -50,6 +50,7 @@ def run(
     backend: str = typer.Option("auto", "--backend", help="auto (CuPy when a CUDA device is usable, else NumPy), numpy or cupy."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate --max-tokens tokens even past end-of-sequence (benchmarks)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    trace_path: Optional[str] = typer.Option(None, "--trace", help="Record the run's passes (experts per pass) here, for s2moe-calib predict."),
 ):
     """Generate text with the model (S²-MoE self-speculative decoding by default)."""
     with cli_errors():
@@ -63,6 +64,10 @@ def run(
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         text_in = read_prompt(prompt, prompt_file)
+        if trace_path:
+            from ..outputs import check_output
+
+            check_output(trace_path, "--trace")
         if no_rg and not get_method(method).reuse_gating:
             say(f"note: --no-rg has no effect: --method {method} does not use reuse-aware gating", "yellow")
         arrays = select_backend(backend)
@@ -93,7 +98,16 @@ def run(
                                      live=costs is not None and not no_live_costs)
         stream = _Streamer(tok) if not json_out else None
         stop_ids = () if ignore_eos else loaded.config.eos_token_ids
+        recorder = None
+        if trace_path:
+            from ..decoding.trace import TraceRecorder
+
+            recorder = TraceRecorder(loaded, chosen.budget, engine.emulation.describe() if engine.emulation.active else None)
+            recorder.start(engine.cache)
         result = decoder.generate(ids, limit, stop_ids, on_token=stream.push if stream else None)
+        if recorder is not None:
+            recorder.stop(spec.name, max(len(result.tokens) - 1, 1), result.decode_seconds)
+            recorder.write(trace_path)
         if limit < max_tokens and result.stop_reason == "max_tokens":
             result.stop_reason = "context"  # the context ran out before --max-tokens
         engine.close()

@@ -220,7 +220,7 @@ class MoEModel:
         rec = RoutingRecord() if record else None
         begin, end = getattr(self.experts, "begin_pass", None), getattr(self.experts, "end_pass", None)
         if begin:
-            begin()
+            begin(T)
         h = ops.embed(W["embed"], dev(tokens))
         for L in range(c.num_layers):
             with self.split.part("attention"):

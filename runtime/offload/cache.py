@@ -210,6 +210,7 @@ class ExpertCache:
         self.stats: dict[str, PhaseStats] = defaultdict(PhaseStats)
         self.phase = "ar"
         self._pass_keys: set[Key] | None = None
+        self.trace: list | None = None  # set to a list to record every pass's experts, in request order
         self.pin(list(hot), resident_size)
 
     # -- phases and passes ----------------------------------------------------------------------
@@ -221,8 +222,10 @@ class ExpertCache:
         finally:
             self.phase = previous
 
-    def begin_pass(self) -> None:
+    def begin_pass(self, n_tokens: int = 0) -> None:
         self._pass_keys = set()
+        if self.trace is not None:  # a routing trace (runtime/decoding/trace.py): [phase, tokens, keys]
+            self.trace.append([self.phase, int(n_tokens), []])
 
     def end_pass(self) -> None:
         if self._pass_keys is not None:
@@ -323,6 +326,8 @@ class ExpertCache:
         stats = self.stats[self.phase]
         keys = [(layer, int(e)) for e in experts]
         if self._pass_keys is not None:
+            if self.trace:
+                self.trace[-1][2].extend(k for k in dict.fromkeys(keys) if k not in self._pass_keys)
             self._pass_keys.update(keys)
         hits, missing = [], []
         for key in keys:

@@ -1,0 +1,137 @@
+"""`s2moe-calib predict`: tokens/s of AR and each method on a device we do not have.
+
+A routing trace recorded here (`s2moe bench --trace FILE`) says which experts every pass of each
+method asked for. The replay runs those passes, in order, through the other device's fast tier (the
+real `ExpertCache`, its replacement policy and pinned hot list, at the capacity that device's profile
+budget leaves for experts; a store that reads nothing) and prices each pass with that device's
+fitted cost model:
+
+    verification or AR step:  t_base + t_token · n_tokens + t_exp_miss · n_missing + t_exp_hit · n_resident
+    draft pass:               C_draft   (the draft uses resident experts only and fetches nothing)
+
+Prefill passes update the cache but are not priced (decode tokens/s, as `s2moe bench` reports).
+What the replay cannot know: the other device's draft lengths and reuse-aware gating follow its own
+costs, not the ones the trace was recorded with, and prefetch overlap is not modelled; so it is a
+prediction for the same drafting decisions (docs/performance.md measures how close it comes).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import typer
+
+from s2moe.runtime.cli.common import err, print_json, say
+from s2moe.runtime.cli.errors import cli_errors
+
+PRICED = ("ar", "verify", "draft")
+
+
+class _NoStore:
+    """A slow tier that reads nothing: a fetched expert is a placeholder of its resident size."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def read_many(self, layer, experts):
+        return [SimpleNamespace(nbytes=self.size((layer, int(e)))) for e in experts]
+
+    def stored_bytes(self, layer, expert):
+        return self.size((layer, expert))
+
+
+def replay(run: dict, E: int, capacity: int | None, size, costs, hot=(), policy: str = "lfu") -> dict:
+    """One method's passes through a cache of ``capacity`` bytes, priced by ``costs``."""
+    from s2moe.runtime.offload.cache import ExpertCache
+
+    cache = ExpertCache(_NoStore(size), capacity, policy, hot=list(hot), resident_size=size)
+    seconds = {"ar": 0.0, "verify": 0.0, "draft": 0.0}
+    misses = hits = 0
+    for phase, n_tokens, keys in run["passes"]:
+        pairs = [(k // E, k % E) for k in keys]
+        if phase == "draft":  # resident experts only: the draft never waits on the slow tier
+            pairs = [key for key in pairs if cache.contains(*key)]
+        with cache.in_phase(phase):
+            s = cache.stats[phase]
+            before = (s.hits, s.misses)
+            cache.begin_pass(n_tokens)
+            for layer in dict.fromkeys(L for L, _ in pairs):
+                for _ in cache.stream(layer, [e for L, e in pairs if L == layer]):
+                    pass
+            cache.end_pass()
+            h, m = s.hits - before[0], s.misses - before[1]
+        if phase == "draft":
+            seconds["draft"] += costs.c_draft
+        elif phase in ("ar", "verify"):
+            seconds[phase] += costs.t_base + costs.t_token * n_tokens + costs.t_exp_miss * m + costs.t_exp_hit * h
+            hits, misses = hits + h, misses + m
+    total = sum(seconds.values())
+    return {"method": run["method"], "tokens": run["tokens"], "predicted_seconds": total,
+            "predicted_tokens_per_s": run["tokens"] / total if total else None,
+            "recorded_tokens_per_s": run["tokens"] / run["decode_seconds"] if run.get("decode_seconds") else None,
+            "miss_rate": misses / (hits + misses) if hits + misses else None,
+            "seconds": {k: round(v, 6) for k, v in seconds.items()}}
+
+
+def predict(
+    trace: str = typer.Option(..., "--trace", help="Routing trace: s2moe bench --trace FILE."),
+    profile: str = typer.Option(..., "--profile", help="Profile of the device to predict for (e.g. profiles/orin-16g.json)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="The traced model (default: the path the trace recorded)."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Budget on that device (default: the profile's)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+):
+    """Predict AR and S²-MoE tokens/s on another device from a trace recorded here."""
+    with cli_errors():
+        from rich.table import Table
+
+        from s2moe.runtime.decoding.trace import load_trace
+        from s2moe.runtime.model.loader import load_model
+        from s2moe.runtime.offload.memory import Budget, plan_memory
+        from s2moe.runtime.profile import load_profile, model_fingerprint
+
+        data = load_trace(trace)
+        prof = load_profile(profile)
+        loaded = load_model(model or data["model"]["path"], dense=False)
+        E = data["model"]["experts_per_layer"]
+        fingerprint = model_fingerprint(loaded)
+        if fingerprint != data["model"]["fingerprint"]:
+            say(f"warning: {trace} was recorded on another model than {loaded.path}; expert sizes may not match",
+                "yellow")
+        hot = prof.hot_experts if prof.data["model"].get("fingerprint") == fingerprint else []
+        if prof.hot_experts and not hot:
+            say(f"note: {profile} was made for another model: its hot list is not pinned in the replay", "dim")
+        spec = budget or prof.budget_spec
+        parsed = Budget.parse(spec, "--budget" if budget else f"{profile}: budget.spec")
+        settings = prof.speculative
+        context = (prof.data.get("budget") or {}).get("context_tokens") or 128
+        cap = int(settings.get("draft_cap") or 8)
+        device = (prof.data.get("device") or {}).get("kind", "cpu")
+        on_device = device not in ("cpu",)
+        size = (lambda key: loaded.experts[key].resident_bytes_for(False)) if on_device else \
+            (lambda key: loaded.experts[key].resident_bytes_for(True))
+        plan = plan_memory(loaded, parsed, context + 2 * max(cap, 8) + 2, batch=max(min(context, 64), 1 + 2 * cap),
+                           expert_bytes=(lambda refs: refs.resident_bytes_for(not on_device)),
+                           prefetch=0 if parsed.full else 2 * loaded.config.top_k)
+        capacity = None if plan.expert_capacity >= plan.expert_total else plan.expert_capacity
+        rows = [replay(run, E, capacity, size, prof.costs, hot) for run in data["runs"]]
+        ar = next((r["predicted_tokens_per_s"] for r in rows if r["method"] == "ar"), None)
+        for r in rows:
+            r["predicted_speedup_vs_ar"] = r["predicted_tokens_per_s"] / ar if ar and r["predicted_tokens_per_s"] else None
+        result = {"trace": trace, "profile": profile, "device": device, "budget": spec,
+                  "expert_capacity_bytes": capacity, "recorded": data.get("recorded"), "methods": rows}
+        if json_out:
+            print_json(result)
+            return
+        table = Table(title=f"predicted on {device} ({profile}) · budget {spec} · trace {trace}")
+        for col in ("method", "tokens", "tok/s here", "predicted tok/s", "predicted speedup", "miss rate"):
+            table.add_column(col, justify="right")
+        for r in rows:
+            table.add_row(r["method"], str(r["tokens"]), _fmt(r["recorded_tokens_per_s"]), _fmt(r["predicted_tokens_per_s"]),
+                          "-" if r["predicted_speedup_vs_ar"] is None else f"{r['predicted_speedup_vs_ar']:.2f}×",
+                          "-" if r["miss_rate"] is None else f"{r['miss_rate']:.1%}")
+        err.print(table)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
