@@ -45,7 +45,7 @@ class Draft:
     token_probs: list[float] = field(default_factory=list)  # q(d_i) of each draft token
     # the law d_i has *given that it was admitted* (sampling only): q(·) under a fixed-length rule
     # and AE (which stops after a token rather than dropping it), q restricted to {q ≥ θ} under the
-    # confidence rule; None (a forced tree branch): verification then matches a target sample
+    # confidence rule; None for a forced tree branch (greedy only: trees are not sampled)
     dists: list[np.ndarray | None] = field(default_factory=list)
 
 
@@ -217,11 +217,8 @@ class SpeculativeDecoder:
                 continue
             p = probabilities(parent, self.params)
             q = d.dists[i]
-            if q is None:  # unknown draft law: accept while a target sample equals the draft token
-                y = int(rng.choice(p.size, p=p))
-                if y == token:
-                    continue
-                return i, y
+            if q is None:  # only a forced tree branch has no law, and trees verify greedily only
+                raise RuntimeError("sampled verification of a draft token whose law is unknown")
             if rng.random() < min(1.0, p[token] / q[token]):
                 continue
             residual = np.maximum(p - q, 0.0)  # resample from the part of p that q under-covers
