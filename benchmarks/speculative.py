@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--emulate-latency", type=float, default=0.0)
     ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded model); "
                     "tools/widen_model.py makes the cost-realistic one")
+    ap.add_argument("--no-live-costs", action="store_true", help="keep the start-up (or profile) constants fixed")
     ap.add_argument("--rg-variant", default="paper", help="reuse-aware gating variant: paper, code or resident")
     ap.add_argument("--out", default="docs/results/speculative")
     args = ap.parse_args()
@@ -60,7 +61,8 @@ def main() -> None:
         for workload in args.workloads.split(","):
             print(f"budget {budget} · {workload}", file=sys.stderr)
             rs = run_bench(loaded, tok, workload, methods, budget, args.n_prompts, args.max_tokens, settings,
-                           prof.costs if prof else None, SamplingParams(), estimate=estimate_costs, engine_kw=engine_kw)
+                           prof.costs if prof else None, SamplingParams(), estimate=estimate_costs, engine_kw=engine_kw,
+                           live=not args.no_live_costs)
             records += rs
     write_outputs(records, machine_info(), args.out, "speculative decoding")
     print("| budget | workload | method | tok/s (median) | speedup vs AR | acceptance length | reuse ratio | KiB fetched/token |")

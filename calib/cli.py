@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from s2moe.runtime.cli.common import out, print_json
+from s2moe.runtime.cli import version_option
 from s2moe.runtime.cli.errors import cli_errors
 
 from .fit_export import export, fit
@@ -24,7 +25,15 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help text is plain: brackets print as written
 )
+
+
+@app.callback()
+def _main(version: bool = version_option("s2moe-calib")) -> None:
+    """Measure a device and write the profile `s2moe run` consumes. Porting = profile + validate."""
+
+
 app.command("profile")(profile)
 app.command("validate")(validate)
 app.command("fit")(fit)

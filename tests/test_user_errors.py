@@ -190,3 +190,10 @@ def test_a_profiles_hot_list_is_trimmed_when_a_longer_context_leaves_less_room(t
     assert long.returncode == 0, long.stderr
     note = [line for line in long.stderr.splitlines() if "pinning the profile's first" in line]
     assert len(note) == 1 and "of 120 hot experts" in note[0] and "budget.spec" in note[0]
+
+
+def test_calib_version():
+    from importlib.metadata import version
+
+    r = subprocess.run([sys.executable, "-m", "s2moe.calib", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"s2moe-calib {version('s2moe')}"
