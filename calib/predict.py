@@ -114,6 +114,13 @@ def predict(
                            expert_bytes=(lambda refs: refs.resident_bytes_for(not on_device)),
                            prefetch=0 if parsed.full else 2 * loaded.config.top_k)
         capacity = None if plan.expert_capacity >= plan.expert_total else plan.expert_capacity
+        if capacity is not None and sum(map(size, hot)) > capacity:  # another budget than the profile's
+            from s2moe.runtime.engine import head_that_fits
+
+            kept = head_that_fits(hot, size, capacity)
+            say(f"note: budget {spec} leaves room for the first {len(kept)} of the profile's {len(hot)} hot experts; "
+                "the replay pins those, as s2moe run would", "dim")
+            hot = kept
         rows = [replay(run, E, capacity, size, prof.costs, hot) for run in data["runs"]]
         ar = next((r["predicted_tokens_per_s"] for r in rows if r["method"] == "ar"), None)
         for r in rows:

@@ -185,12 +185,13 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         t = progress.add_task("decode steps (T_AR, C_draft)", total=2 * len(prompts))
         tick = lambda: progress.advance(t)  # noqa: E731
         steps = gathered.get("decode_steps") or {}
-        for name, policy_for in (("t_ar", TARGET), ("c_draft", RoutingPolicy(top_k=draft_k))):
+        for name in ("t_ar", "c_draft"):
             if name not in steps:
                 engine = build_engine(loaded.path, budget, kv_positions, pinned, policy, emulate_bandwidth,
                                       emulate_latency, loaded=loaded, fetch_threads=fetch_threads, backend=arrays,
                                       offload_tier=tier, batch=pass_batch)
                 assert engine.plan.expert_capacity == plan.expert_capacity, "profile and run plans differ"
+                policy_for = TARGET if name == "t_ar" else draft_policy(engine.model, draft_k)
                 steps[name] = measure.decode_step_times(engine.model, prompts, decode_tokens, policy_for, tick)
                 engine.close()
                 keep("decode_steps", steps)
@@ -258,6 +259,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                     "emulation": {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
                     if emulation.active else None},
         "cost_model": {"t_ar_ms": ar["median"] * ms, "t_ar_p90_ms": ar["p90"] * ms, "c_draft_ms": dr["median"] * ms,
+                       "c_draft_routing": "resident experts only (else the best resident one), as s2moe run drafts",
                        "t_exp_miss_ms": const.t_exp_miss * ms, "t_exp_hit_ms": const.t_exp_hit * ms,
                        "t_base_ms": const.t_base * ms, "t_token_ms": const.t_token * ms,
                        "fit": {"r2": round(fit_r2, 5), "mape_percent": round(fit_mape * 100, 3),
@@ -273,6 +275,16 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "workload": workload_path, "samples": os.path.basename(samples_path)},
     }
+
+
+def draft_policy(model, draft_k: int) -> RoutingPolicy:
+    """The draft as `s2moe run` drafts by default: its top experts among the resident ones (the best
+    resident expert where none is), so C_draft is timed without fetches, as the run pays it."""
+    resident = getattr(model.experts, "resident_mask", None)
+    E = model.config.num_experts
+    if resident is None:  # everything resident: no restriction to make
+        return RoutingPolicy(top_k=draft_k)
+    return RoutingPolicy(top_k=draft_k, allowed=lambda L: resident(L, E), fallback="best")
 
 
 def summary_table(profile: dict) -> Table:
@@ -342,9 +354,13 @@ def profile(
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated request latency µs."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its samples file."),
     json_out: bool = typer.Option(False, "--json", help="Print the profile JSON on stdout too."),
+    update: Optional[str] = typer.Option(None, "--update", help="Refit this profile from a run's passes (--passes) instead of measuring."),
+    passes: Optional[str] = typer.Option(None, "--passes", help="With --update: passes written by s2moe run --record-passes FILE."),
 ):
     """Measure T_exp, T_AR, C_draft, expert bytes, bandwidth and hot experts; write a profile."""
     with cli_errors():
+        if update is not None or passes is not None:
+            return update_command(update, passes, json_out)
         check_counts(**{"--samples": (samples, 10), "--decode-tokens": (decode_tokens, 4), "--rounds": (rounds, 1),
                         "--fetch-threads": (fetch_threads, 1), "--ctx-size": (ctx_size, 2)})
         if draft_topk is not None:
@@ -376,3 +392,26 @@ def profile(
             f"tokens of context); next: s2moe-calib validate --profile {shlex.quote(target)}")
         if json_out:
             print_json(data)
+
+
+def update_command(profile_path: str | None, passes_path: str | None, json_out: bool) -> None:
+    """`profile --update PROFILE --passes FILE`: the refit, a before/after table, the next step."""
+    from .update import run_update
+
+    if profile_path is None or passes_path is None:
+        raise UsageError("--update PROFILE and --passes FILE go together: s2moe-calib profile --update "
+                         "PROFILE --passes FILE (record FILE with s2moe run --record-passes FILE)")
+    summary = run_update(profile_path, passes_path)
+    t = Table(title=f"{profile_path} refitted from {passes_path}")
+    for col in ("constant", "before (ms)", "after (ms)"):
+        t.add_column(col, justify="left" if col == "constant" else "right")
+    for k, before in summary["before"].items():
+        t.add_row(k.removesuffix("_ms"), f"{before:.4f}", f"{summary['after'][k]:.4f}")
+    err.print(t)
+    fit = summary["fit"]
+    say(f"updated {profile_path}: fit R² {fit['run_r2']:.3f}, MAPE {fit['run_mape_percent']:.1f} % on the run's "
+        f"{fit['n_decode']} passes" + (f"; kept {' and '.join(summary['kept'])} (too few steps in the run)"
+                                        if summary["kept"] else "")
+        + f"; next: s2moe-calib validate --profile {shlex.quote(profile_path)}")
+    if json_out:
+        print_json(summary)

@@ -169,7 +169,25 @@ def single_shot_samples(passes: list[CapturedPass]) -> list[dict]:
 
 
 def spread(passes: list[CapturedPass]) -> dict:
-    """How much repetitions of one pass differ: the machine's noise, for the report."""
+    """How much repetitions of one pass differ: the machine's noise, and the best fit it allows.
+
+    ``noise_ceiling_r2``: the R² a perfect cost model would score against these estimates. Each
+    pass's replays are split into two halves (odd and even rounds); the fastest of each half are two
+    independent estimates of the same pass, so half the variance of their difference is the noise
+    variance of one estimate, and 1 − noise variance / variance of the passes' times is the ceiling.
+    Half-size estimates are noisier than the fastest of all rounds, so the ceiling is conservative.
+    ``noise_mape_floor_percent``: the same noise as a mean absolute percentage (a perfect model's MAPE)."""
     cv = [float(np.std(p.times) / np.mean(p.times)) for p in passes if len(p.times) > 1]
-    return {"rounds": len(passes[0].times) if passes else 0,
-            "repeat_cv_median": round(float(np.median(cv)), 4) if cv else None}
+    out = {"rounds": len(passes[0].times) if passes else 0,
+           "repeat_cv_median": round(float(np.median(cv)), 4) if cv else None,
+           "noise_ceiling_r2": None, "noise_mape_floor_percent": None}
+    halves = [(min(p.times[0::2]), min(p.times[1::2]), min(p.times)) for p in passes if len(p.times) >= 2]
+    if len(halves) >= 3:
+        a, b, y = (np.array(v) for v in zip(*halves))
+        noise_var = float(np.var(a - b)) / 2.0
+        total_var = float(np.var(y))
+        if total_var > 0:
+            out["noise_ceiling_r2"] = round(max(0.0, 1.0 - noise_var / total_var), 4)
+        # |e| of a normal error is sqrt(2/π)·σ on average
+        out["noise_mape_floor_percent"] = round(float(np.mean(np.sqrt(2 / np.pi) * np.sqrt(noise_var) / y)) * 100, 3)
+    return out

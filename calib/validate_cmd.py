@@ -106,6 +106,7 @@ def record(prof, summary: dict, model_path: str, workload: str | None) -> None:
         "r2": summary["r2"], "mape_percent": summary["mape_percent"], "n": summary["n"],
         "passed": summary["passed"], "min_r2": summary["min_r2"], "max_mape_percent": summary["max_mape_percent"],
         "single_shot": summary["single_shot"], "rounds": summary["timing"].get("rounds"),
+        "noise_ceiling_r2": summary["timing"].get("noise_ceiling_r2"),
         "model": os.path.abspath(model_path), "workload": workload or "packaged",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "tool_version": __version__,
@@ -221,6 +222,8 @@ def validate(
             for k in ("r2", "mape_percent", "n", "residual_percent_p50", "residual_percent_p90_abs", "measured_ms_range"):
                 t.add_row(k, str(summary[k]))
             t.add_row("timing", f"fastest of {rounds} replays (repeat CV {summary['timing']['repeat_cv_median']})")
+            t.add_row("noise ceiling R² / MAPE floor %", f"{summary['timing']['noise_ceiling_r2']} / "
+                                                          f"{summary['timing']['noise_mape_floor_percent']}")
             t.add_row("single shot R² / MAPE %", f"{single['r2']} / {single['mape_percent']}")
             t.add_row("verdict", "[green]pass[/green]" if ok else "[red]fail[/red]")
             err.print(t)

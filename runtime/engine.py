@@ -135,12 +135,7 @@ def build_engine(
         expert_pairs(list(hot_experts or []), loaded.config, "hot experts")
     size = lambda key: size_of(loaded.experts[key])  # noqa: E731
     if trim_hot and sum(map(size, hot)) > plan.expert_capacity:  # a profile's list, the user's budget
-        kept, used = [], 0
-        for key in hot:  # the list is in rank order: keep its head
-            if used + size(key) > plan.expert_capacity:
-                break
-            kept.append(key)
-            used += size(key)
+        kept = head_that_fits(hot, size, plan.expert_capacity)
         _note(f"{budget_from} leaves {fmt_bytes(plan.expert_capacity)} for experts at this context: pinning the "
               f"profile's first {len(kept)} of {len(hot)} hot experts")
         hot = kept
@@ -168,6 +163,17 @@ def _preload(cache: ExpertCache, keys: list) -> None:
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("loading experts", total=len(keys))
         cache.preload(keys, lambda n: progress.advance(task, n))
+
+
+def head_that_fits(hot: list, size, capacity: int) -> list:
+    """The longest head of a rank-ordered hot list whose experts fit in ``capacity`` bytes."""
+    kept, used = [], 0
+    for key in hot:
+        if used + size(key) > capacity:
+            break
+        kept.append(key)
+        used += size(key)
+    return kept
 
 
 def phase_of(model: MoEModel, name: str):

@@ -289,3 +289,15 @@ def test_profile_warns_when_its_own_fit_is_poor(profile_17m, tmp_path, monkeypat
         assert r.exit_code == 0, r.output
         lines = [line for line in r.output.splitlines() if "cost fit is poor" in line]
         assert len(lines) == (1 if warned else 0), r.output
+
+
+# -- C_draft is timed as the run drafts: resident experts only, no fetches -------------------------
+
+def test_profile_times_c_draft_without_fetches(tmp_path):
+    """Under a slow emulated tier an AR step waits on its misses; the run's draft (resident experts
+    only) never does, so its C_draft must not either: timed with fetches it came out at half of T_AR."""
+    out = tmp_path / "slow.json"
+    r = calib("profile", "--device", "cpu", "--budget", "0.25", "--emulate-bandwidth", "20", "--out", str(out), *QUICK)
+    assert r.returncode == 0, r.stderr
+    c = load_profile(str(out)).data["cost_model"]
+    assert c["c_draft_ms"] < 0.2 * c["t_ar_ms"], (c["c_draft_ms"], c["t_ar_ms"])

@@ -94,3 +94,18 @@ def test_bad_trace_is_one_line(tmp_path, content, needle):
     r = cli("s2moe.calib", "predict", "--trace", str(bad), "--profile", _profile(tmp_path))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_a_smaller_budget_than_the_profiles_pins_the_head_of_its_hot_list(trace, tmp_path):
+    """As `s2moe run --profile P --budget B` does: the rank-ordered hot list is cut to what B holds."""
+    path = _profile(tmp_path, "0.5")
+    data = json.loads(open(path).read())
+    data["model"]["fingerprint"] = json.loads(trace.read_text())["model"]["fingerprint"]  # the traced model's
+    data["hot_experts"] = {"gpu_experts": [[L, e] for L in range(4) for e in range(32)][:96]}
+    open(path, "w").write(json.dumps(data))
+    r = cli("s2moe.calib", "predict", "--trace", str(trace), "--profile", path, "--budget", "0.1", "--json")
+    assert r.returncode == 0, r.stderr
+    note = [line for line in r.stderr.splitlines() if "hot experts" in line]
+    assert len(note) == 1 and "of the profile's 96 hot experts" in note[0]
+    kept = int(note[0].split("the first ")[1].split(" ")[0])
+    assert 0 < kept < 96

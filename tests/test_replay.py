@@ -133,3 +133,21 @@ def test_sample_weight_lets_the_heavy_group_decide():
     assert light_b.mape(Xa, ya) < even.mape(Xa, ya)
     with pytest.raises(ValueError, match="loss"):
         VerificationCostModel(loss="huber").fit(X, y)
+
+
+def test_noise_ceiling_follows_the_repeat_noise():
+    """Perfect repeats allow R² 1; repeats as noisy as the spread of the passes allow almost none."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(0)
+    true = rng.uniform(0.010, 0.020, 200)
+
+    def passes(noise_s):
+        return [SimpleNamespace(times=list(t + rng.normal(0, noise_s, 6))) for t in true]
+
+    quiet, some, loud = spread(passes(0.0)), spread(passes(0.0005)), spread(passes(0.01))
+    assert quiet["noise_ceiling_r2"] == 1.0 and quiet["noise_mape_floor_percent"] == 0.0
+    assert 0.9 < some["noise_ceiling_r2"] < 1.0 and 0.5 < some["noise_mape_floor_percent"] < 5
+    assert loud["noise_ceiling_r2"] < 0.5
+    flat = [SimpleNamespace(times=list(0.015 + rng.normal(0, 0.0005, 6))) for _ in range(200)]
+    assert spread(flat)["noise_ceiling_r2"] < 0.3  # nothing to explain but noise

@@ -183,7 +183,20 @@ def render(card: dict, record: dict | None) -> str:
     for s in card["samples"]:
         how = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-p 0.95, seed 0"
         lines += [f"{how}:", "```", s["prompt"] + s["completion"], "```", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + WIDENED)
+
+
+WIDENED = [
+    "## The widened copy: a benchmark model, not a better model", "",
+    "`python tools/widen_model.py --hidden 1024 --intermediate 512 --out DIR` writes this model zero-padded to a "
+    "residual stream of 1024 and an expert intermediate of 512 (attention width unchanged; norm weights and eps "
+    "rescaled so the norms are exact). It computes the same function: the same tokens, router choices and draft "
+    "acceptance (`tests/test_widen.py` checks greedy output and routing against this model). What changes is "
+    "cost: 3 MiB per F16 expert instead of 168 KiB, 441 MiB in all, and the FLOPs of a hidden-1024 MoE, so a "
+    "decode step is dominated by expert traffic, as on the paper's devices, instead of interpreter overhead. It "
+    "exists for speed and calibration measurements (`docs/performance.md`); it knows nothing this model does not.",
+    "",
+]
 
 
 def main() -> None:

@@ -274,6 +274,12 @@ MUTATIONS: list[Mutation] = [
              "self.trace[-1][2].extend(keys[:1])", ["tests/test_predict.py"], "a trace missing a pass's experts"),
     Mutation("context-not-enforced", "runtime/cli/run.py", "    if prompt_tokens + max_tokens > context:",
              "    if False:", ["tests/test_user_errors.py", "-k", "context"], "-n past the context runs on"),
+    Mutation("pass-log-features-swapped", "runtime/decoding/pass_log.py",
+             "for n, miss, hit, s in samples", "for n, hit, miss, s in samples",
+             ["tests/test_profile_update.py", "-k", "records_its_passes"], "recorded misses written as hits"),
+    Mutation("update-takes-any-budget", "calib/update.py", "        if log.get(field) != want:",
+             "        if field != \"budget\" and log.get(field) != want:",
+             ["tests/test_profile_update.py", "-k", "refuses"], "a profile refitted from a run at another budget"),
 ]
 
 

@@ -51,6 +51,7 @@ def run(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Generate --max-tokens tokens even past end-of-sequence (benchmarks)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     trace_path: Optional[str] = typer.Option(None, "--trace", help="Record the run's passes (experts per pass) here, for s2moe-calib predict."),
+    record_passes: Optional[str] = typer.Option(None, "--record-passes", help="Write the run's timed passes here, for s2moe-calib profile --update PROFILE --passes FILE."),
 ):
     """Generate text with the model (S²-MoE self-speculative decoding by default)."""
     with cli_errors():
@@ -64,10 +65,11 @@ def run(
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         text_in = read_prompt(prompt, prompt_file)
-        if trace_path:
-            from ..outputs import check_output
+        from ..outputs import check_output
 
-            check_output(trace_path, "--trace")
+        for flag, path in (("--trace", trace_path), ("--record-passes", record_passes)):
+            if path:
+                check_output(path, flag)
         if no_rg and not get_method(method).reuse_gating:
             say(f"note: --no-rg has no effect: --method {method} does not use reuse-aware gating", "yellow")
         arrays = select_backend(backend)
@@ -111,9 +113,11 @@ def run(
         if limit < max_tokens and result.stop_reason == "max_tokens":
             result.stop_reason = "context"  # the context ran out before --max-tokens
         engine.close()
+        if record_passes:
+            write_pass_log(record_passes, decoder, loaded, arrays.name, engine, chosen.budget)
         report = engine.report()  # after the run: the measured peaks
         text = tok.decode(result.tokens)
-        live = live_report(decoder, profile if chosen.profile is not None else None)
+        live = live_report(decoder, profile if chosen.profile is not None else None, record_passes)
         stats = {**result.stats(), **_per_token(report, len(result.tokens)), "method": spec.name, "live_costs": live,
                  "context": context, "sampling": {"temperature": params.temperature, "top_k": params.top_k,
                                                   "top_p": params.top_p, "min_p": params.min_p, "seed": params.seed},
@@ -130,7 +134,17 @@ def run(
 DRIFT = 0.10  # live constants this far from the profile's: say so
 
 
-def live_report(decoder, profile_path: str | None) -> dict | None:
+def write_pass_log(path: str, decoder, loaded, backend: str, engine, budget: str | None) -> None:
+    from ..decoding.pass_log import pass_log
+    from ..profile import model_fingerprint, write_json_atomic
+
+    emulation = engine.emulation.describe() if engine.emulation.active else None
+    write_json_atomic(path, pass_log(decoder.metrics, loaded, model_fingerprint(loaded), backend, emulation, budget))
+    n = len(decoder.metrics.verify_samples) + len(decoder.metrics.ar_samples)
+    say(f"{n} timed passes written to {path}", "dim")
+
+
+def live_report(decoder, profile_path: str | None, passes_path: str | None = None) -> dict | None:
     """The live cost constants at the end of a run and their drift from the profile's; one line
     when a constant the run measured often enough moved more than 10 %."""
     if decoder.live is None:
@@ -144,9 +158,20 @@ def live_report(decoder, profile_path: str | None) -> dict | None:
 
         worst = max(moved, key=lambda k: abs(moved[k]))
         say(f"note: this run's costs drifted from {profile_path} ({worst} {moved[worst]:+.0%}; now "
-            f"{describe_costs(live.current())}); refresh it: s2moe-calib profile --out {profile_path}", "yellow")
+            f"{describe_costs(live.current())}); refresh it: " + refresh_command(profile_path, passes_path), "yellow")
     return {"constants": live.current().to_dict(), "drift": {k: round(v, 4) for k, v in drift.items()},
             "verify_passes": live.passes}
+
+
+def refresh_command(profile_path: str, passes_path: str | None) -> str:
+    """The command that brings a drifted profile up to date: from this run's passes when they were
+    recorded, else a run that records them."""
+    import shlex
+
+    p = shlex.quote(profile_path)
+    if passes_path:
+        return f"s2moe-calib profile --update {p} --passes {shlex.quote(passes_path)}"
+    return f"re-run with --record-passes FILE, then s2moe-calib profile --update {p} --passes FILE"
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:

@@ -31,6 +31,9 @@ class SpecMetrics:
     cascade_choices: list[int] = field(default_factory=list)
     # one row per verification pass: (n_tokens, n_missing, n_resident, seconds) for the cost model
     verify_samples: list[tuple[int, int, int, float]] = field(default_factory=list)
+    # AR steps, the same row with n_tokens = 1; draft phases: (tokens drafted, seconds)
+    ar_samples: list[tuple[int, int, int, float]] = field(default_factory=list)
+    draft_samples: list[tuple[int, float]] = field(default_factory=list)
 
     def record_verification(self, record, batch: int, accepted_rows: list[int], drafted: int, accepted: int,
                             top_k: int) -> None:

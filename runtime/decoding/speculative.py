@@ -346,10 +346,15 @@ class SpeculativeDecoder:
             length = self._draft_length()
             started = time.perf_counter()
             if m.admit == "none" or length == 0:
+                stats = getattr(self.cache, "stats", None)
+                before = (stats["ar"].misses, stats["ar"].hits) if stats is not None else None
                 with phase_of(self.model, "ar"):
                     logits, _ = self.model.forward([root], kv, logits="last", record=False)
+                took = time.perf_counter() - started
+                if before is not None:
+                    self.metrics.ar_samples.append((1, stats["ar"].misses - before[0], stats["ar"].hits - before[1], took))
                 if self.live:
-                    self.live.observe_ar(time.perf_counter() - started)
+                    self.live.observe_ar(took)
                     self.costs = self.live.current()
                 kv.commit(P + 1)
                 self.metrics.ar_steps += 1
@@ -367,9 +372,12 @@ class SpeculativeDecoder:
                     draft_kv.rollback(P + 1)
                     branches.append(self._draft_chain(draft_kv, rng, length, root_logits, root_experts,
                                                       first=runner_up))
-            self.metrics.draft_seconds += time.perf_counter() - td
+            drafted_for = time.perf_counter() - td
+            self.metrics.draft_seconds += drafted_for
+            if self.metrics.draft_passes > passes:
+                self.metrics.draft_samples.append((self.metrics.draft_passes - passes, drafted_for))
             if self.live:
-                self.live.observe_draft(time.perf_counter() - td, self.metrics.draft_passes - passes)
+                self.live.observe_draft(drafted_for, self.metrics.draft_passes - passes)
             branches = [b for b in branches if b.tokens] or branches[:1]
             if m.admit == "utility":  # back off after a draft that admitted nothing (see SpecSettings)
                 self._skip, self._wait = (self._wait, min(2 * self._wait, 16)) if not branches[0].tokens else (0, 1)
