@@ -65,6 +65,7 @@ def _controlled_samples(prof) -> list[dict]:
 
 def updated_profile(profile_path: str, passes_path: str) -> tuple[dict, dict]:
     """The refitted profile data and a summary of what changed; writes nothing."""
+    from s2moe.runtime.checks import number
     from s2moe.runtime.decoding.pass_log import read_pass_log
     from s2moe.runtime.errors import UsageError
     from s2moe.runtime.profile import load_profile
@@ -88,6 +89,8 @@ def updated_profile(profile_path: str, passes_path: str) -> tuple[dict, dict]:
     old = {k: c[k] for k in ("t_ar_ms", "c_draft_ms", "t_exp_miss_ms", "t_exp_hit_ms", "t_base_ms", "t_token_ms")}
     c.update({"t_base_ms": model.intercept_ * ms, "t_token_ms": model.coef_[0] * ms,
               "t_exp_miss_ms": model.coef_[1] * ms, "t_exp_hit_ms": model.coef_[2] * ms})
+    for key in ("t_base_ms", "t_token_ms", "t_exp_miss_ms", "t_exp_hit_ms"):
+        number(f"{passes_path}: fitted {key}", c[key])  # finite, or one line (the passes are degenerate)
     kept = []
     steps = [p["seconds"] for p in log["ar"]] or [p["seconds"] for p in log["verification"] if p["n_tokens"] == 1]
     if len(steps) >= MIN_STEPS:

@@ -176,3 +176,9 @@ def test_a_drifted_run_names_the_update_command(setup, tmp_path):
     note = [line for line in r.stderr.splitlines() if "drifted from" in line]
     assert len(note) == 1 and "t_ar" in note[0]
     assert f"s2moe-calib profile --update {prof} --passes {log}" in note[0]
+
+
+def test_trace_and_passes_must_be_different_files(tmp_path):
+    same = str(tmp_path / "x.json")
+    one_line_error(s2moe("run", "-p", PROMPT, "-n", "4", "--trace", same, "--record-passes", same), 2,
+                   "--trace and --record-passes")

@@ -3,6 +3,7 @@ line and the expert-cache table at the end (stderr), or one JSON object with ``-
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -65,11 +66,14 @@ def run(
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         text_in = read_prompt(prompt, prompt_file)
+        from ..errors import UsageError
         from ..outputs import check_output
 
         for flag, path in (("--trace", trace_path), ("--record-passes", record_passes)):
             if path:
                 check_output(path, flag)
+        if trace_path and record_passes and os.path.abspath(trace_path) == os.path.abspath(record_passes):
+            raise UsageError(f"--trace and --record-passes both name {trace_path}; give them different files")
         if no_rg and not get_method(method).reuse_gating:
             say(f"note: --no-rg has no effect: --method {method} does not use reuse-aware gating", "yellow")
         arrays = select_backend(backend)
