@@ -3,6 +3,7 @@
 // runtime/kernels/cuda.py inlines the quoted includes into the source it hands CuPy: CuPy's
 // kernel cache is keyed on the source string, so a header edit must change that string.
 #include "routing.cuh"
+#include "decode.cuh"  // the fused decode kernels (norms, projections, attention, grouped experts)
 
 // One thread per token (any B: as many blocks as needed): router top-k and mixture weights,
 // optional selection bias [B, E] (float32, C-contiguous: checked by the caller).

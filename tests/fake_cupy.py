@@ -21,6 +21,7 @@ As strict as the real thing where the device code can go wrong:
   `DynamicLibNotFoundError`, as the cupy-cuda12x wheel does without its CUDA libraries;
 - `mode(integrated=True)`: the device reports ``integrated`` (Jetson Orin: memory shared with the
   host); pinned allocations are counted so tests can check there are none.
+`ndarray.data.ptr` is an array's address, as in CuPy (kernels read tables of them).
 `RawModule` runs the CUDA source itself on the CPU when a test registers an emulator for it
 (`kernel_emulator`, tests/test_gpu_standin.py). What this cannot check: speed and CuPy's numerics.
 """
@@ -113,6 +114,10 @@ class DeviceArray(np.ndarray):
         if out.size and not np.shares_memory(_host(out), _host(self)):
             _launch()
         return out
+
+    @property
+    def data(self):  # CuPy's ndarray.data: a MemoryPointer whose ptr is the first element's address
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
 
     def _sync(self, *_, **__):
         raise ImplicitSync("implicit device → host read; use Backend.to_host")

@@ -244,9 +244,8 @@ def test_at_most_two_host_syncs_per_moe_layer(loaded, budget):
     assert all(syncs <= 2 * layers + 1 for _, syncs in counts), counts
 
 
-@pytest.mark.xfail(strict=True, reason="experts and attention still run as ~620 small device ops per decode token "
-                   "(~300 of them the per-expert loop); grouped GEMMs need model/forward.py and the ops seam")
 def test_at_most_60_device_ops_per_decode_token(loaded):
+    # fused kernels (csrc/decode.cuh): ~40 launches a token, + one copy per expert fetched
     counts, _ = _decode_counts(loaded, "1.0")
     assert all(launches <= 60 for launches, _ in counts), counts
 

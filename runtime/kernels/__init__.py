@@ -5,7 +5,8 @@ Model code calls matmuls through one object (`ops`): ``ops.linear(x, W, bias)``,
 W is a `StoredMatrix` (stored encoding) or a float32 array. Behind the seam:
 - ``cpu``: the compiled extension (csrc/cpu), computing on stored blocks;
 - ``numpy``: the reference (`reference.py`), which the tests compare every kernel with;
-- on a CUDA device the same reference code runs on CuPy arrays (`backend.py`).
+- on a CUDA device the same reference code runs on CuPy arrays (`backend.py`), with fused decode
+  kernels (csrc/decode.cuh) where they apply (`device.py`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def select_ops(name: str = "auto", threads: int | None = None, backend=None):
     if name not in KERNELS:
         raise UsageError(f"--kernels {name!r}: choose from {', '.join(KERNELS)}")
     if backend is not None and backend.on_device:
-        return ReferenceOps(f"{backend.name} arrays")
+        from .device import DeviceOps
+
+        return DeviceOps(backend, f"{backend.name} arrays")
     if name == "numpy":
         return ReferenceOps("requested")
     if not cpu.available():

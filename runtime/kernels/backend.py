@@ -13,7 +13,8 @@ and routing. A pass has exactly these device → host reads (the synchronisation
 Expert weights reach the device through `Backend.upload_expert`: decoded weights are staged in
 pinned host memory, in the layout they have (a C-ordered buffer for a Fortran-ordered matrix would
 make CuPy transpose it through pageable memory), and copied on a separate stream with one event per
-expert (file tier: file → pinned → device; host tier, `HostTier`: they already live pinned);
+expert (file tier: file → pinned → device, an expert's parts staged together and copied at once;
+host tier, `HostTier`: they already live pinned, a copy per part);
 `wait` makes the compute stream wait for that event only, so the next expert's copy overlaps the
 current expert's compute (the cache fetches a layer's misses together). Staging buffers and the
 device arrays stay referenced until their event has completed: neither CuPy's pinned pool nor its
@@ -81,6 +82,37 @@ class Backend:
 
             return DeviceStored(self.xp.asarray(a.data), a.dtype, a.shape, self.xp)
         return self.xp.asarray(a)
+
+    def to_device_together(self, parts: list) -> list:
+        """Host arrays (nested in lists and dicts) → device views of one buffer: one copy for a
+        pass's token ids, RoPE tables and masks instead of one each. Parts start 256-byte aligned."""
+        flat: list[np.ndarray] = []
+
+        def collect(p):
+            if isinstance(p, (dict, list)):
+                items = p.items() if isinstance(p, dict) else enumerate(p)
+                out = {k: collect(v) for k, v in items}
+                return out if isinstance(p, dict) else list(out.values())
+            flat.append(np.ascontiguousarray(p))
+            return len(flat) - 1
+
+        layout = collect(parts)
+        offsets, at = [], 0
+        for a in flat:
+            offsets.append(at)
+            at += -(-a.nbytes // 256) * 256
+        buf = np.zeros(max(at, 1), dtype=np.uint8)
+        for a, o in zip(flat, offsets):
+            buf[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
+        up = self.to_device(buf)
+        views = [up[o:o + a.nbytes].view(a.dtype).reshape(a.shape) for a, o in zip(flat, offsets)]
+
+        def build(p):
+            if isinstance(p, dict):
+                return {k: build(v) for k, v in p.items()}
+            return [build(v) for v in p] if isinstance(p, list) else views[p]
+
+        return build(layout)
 
     def to_host(self, a) -> np.ndarray:
         """Device array → NumPy; on a device this waits for the producing work (a sync)."""
@@ -157,26 +189,44 @@ class Backend:
             self._copy_stream = xp.cuda.Stream(non_blocking=True)
         self._in_flight = [(e, held) for e, held in self._in_flight if not e.done]  # copied: free to go
         held, parts = [], {}
+        hosts = {name: (a.data if _stored(a) else a) for name, a in _parts(w).items() if a is not None}  # bytes
+        if self.integrated or getattr(w, "pinned", False):
+            # shared memory: nothing to stage / host tier: already pinned; a copy per part
+            devs = {}
+            for name, host in hosts.items():
+                dev = xp.empty(host.shape, host.dtype, order=_order(host))  # the source's layout: a memcpy
+                dev.set(host, stream=self._copy_stream)
+                held += [host, dev]  # both in use by the copy stream until its event
+                devs[name] = dev
+        else:  # staged: every part into one pinned buffer, one copy (one launch, not three)
+            src, dev, devs = self._staged(hosts)
+            held += [src, dev]
         for name, a in _parts(w).items():
-            if a is None:
-                parts[name] = None
-                continue
-            host = a.data if _stored(a) else a  # a stored matrix travels as its bytes
-            if self.integrated or getattr(w, "pinned", False):
-                src = host  # shared memory: nothing to stage / host tier: already pinned
-            else:
-                src = self.pin(host)
-            dev = xp.empty(host.shape, host.dtype, order=_order(src))  # the source's layout: a memcpy
-            dev.set(src, stream=self._copy_stream)
-            held += [src, dev]  # both in use by the copy stream until its event
+            parts[name] = None if a is None else devs[name]
             if _stored(a):
                 from .stored import DeviceStored
 
-                dev = DeviceStored(dev, a.dtype, a.shape, xp)
-            parts[name] = dev
+                parts[name] = DeviceStored(devs[name], a.dtype, a.shape, xp)
         event = self._copy_stream.record()
         self._in_flight.append((event, held))
         return replace(w, **parts, ready=event, pinned=False, alloc_bytes=None)
+
+    def _staged(self, hosts: dict):
+        """(pinned buffer, device buffer, {name: device view}) holding every array of ``hosts``,
+        each at a 256-byte aligned offset in its own layout; the copy is issued on the copy stream."""
+        offsets, total = {}, 0
+        for name, host in hosts.items():
+            offsets[name] = total
+            total += -(-host.nbytes // 256) * 256
+        total = max(total, 1)
+        src = self.empty_pinned((total,), np.uint8) if self.empty_pinned else np.empty(total, np.uint8)
+        for name, host in hosts.items():
+            src[offsets[name]:offsets[name] + host.nbytes] = host.ravel(order="K").view(np.uint8)
+        dev = self.xp.empty((total,), np.uint8)
+        dev.set(src, stream=self._copy_stream)
+        views = {name: dev[offsets[name]:offsets[name] + host.nbytes].view(host.dtype)
+                 .reshape(host.shape, order=_order(host)) for name, host in hosts.items()}
+        return src, dev, views
 
     def land(self, ws) -> None:
         """Wait on the host until the copies of ``ws`` have landed (one sync on the last event:

@@ -6,6 +6,8 @@ positions [start, start + T) attend to every cached position before them. Archit
 `ModelConfig`; expert weights come from a provider. Every matrix product goes through the kernel
 seam (`self.ops`, runtime/kernels): weights stay in their stored encoding, activations are float32.
 Long prompts run in chunks of `PREFILL_CHUNK` tokens, so a pass's scratch memory is bounded.
+On a device, short passes (decode, verification) take fused kernels where the ops offer them
+(kernels/device.py): norms join the following product, residuals the preceding one.
 """
 
 from __future__ import annotations
@@ -94,12 +96,21 @@ class MoEModel:
     def _attention(self, L: int, x: np.ndarray, start: int, kv: KVCache, cos, sin, allowed) -> np.ndarray:
         return self._attention_kind(self.config, self.W, self.ops, L, x, start, kv, (cos, sin), allowed)
 
-    def _moe(self, L: int, x: np.ndarray, policy: RoutingPolicy, record: RoutingRecord | None) -> np.ndarray:
+    def _moe(self, L: int, x: np.ndarray, policy: RoutingPolicy, record: RoutingRecord | None,
+             norm=None) -> np.ndarray:
+        """The routed (and shared) experts' output on ``x``. With ``norm`` (a device pass with fused
+        kernels), ``x`` is the residual stream h: h + the experts on RMSNorm(h, norm)."""
         c, W, host = self.config, self.W, self.loaded.dense
         p = f"layers.{L}."
+        residual = None
         with self.split.part("router"):
             # routing runs on the host: the cache must know the experts before computing them
-            logits = self.backend.to_host(self.ops.linear(x, W[p + "router"], W.get(p + "router_bias")))  # [T, E]
+            if norm is None:
+                logits = self.ops.linear(x, W[p + "router"], W.get(p + "router_bias"))
+            else:  # the norm and the router in one launch
+                residual, (x, logits) = x, self.ops.norm_linear(x, norm, c.rms_norm_eps, W[p + "router"],
+                                                                W.get(p + "router_bias"))
+            logits = self.backend.to_host(logits)  # [T, E]
             k = policy.k_for(L, c.top_k)
             bias = policy.selection_bias(L, logits) if policy.selection_bias else None
             groups = (c.expert_groups, c.expert_groups_used) if c.expert_groups else None
@@ -110,12 +121,14 @@ class MoEModel:
                 experts, weights = restrict(experts, weights, logits, allowed, policy.fallback)
             if record is not None:
                 record.layers[L] = LayerRouting(logits, experts, weights)
+        grouped = residual is not None and not c.shared_expert_intermediate_size
         with self.split.part("experts"):
-            out = self._experts(L, x, experts, weights)
+            out = self._experts_grouped(L, x, experts, weights, residual) if grouped else \
+                self._experts(L, x, experts, weights)
         if c.shared_expert_intermediate_size:  # dense, resident: not through the expert cache
             with self.split.part("shared_experts"):
                 out += self._dense_mlp(L, x, "shared_")
-        return out
+        return out if grouped or residual is None else residual + out
 
     def _experts(self, L: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Tokens grouped by expert; each expert's weights fetched once for the whole pass. The
@@ -149,6 +162,28 @@ class MoEModel:
                 self.backend.wait(w)  # its copy (device backends) may still be in flight
             self.ops.experts(x, [(w, *rows[e]) for e, w in group], self.act, out)
         return out
+
+    def _experts_grouped(self, L: int, x, experts: np.ndarray, weights: np.ndarray, residual):
+        """``residual`` + the routed experts, on a device with fused kernels (kernels/device.py):
+        one upload of the (token, weights) table and two launches (gate/up with SwiGLU, down with
+        the weighted sum into the residual stream). For these short passes the experts are computed
+        once every group has arrived: overlapping microseconds of compute with reads gains nothing,
+        while a launch per group costs more."""
+        found: dict[int, tuple[list, list]] = {}
+        for t, (row_e, row_w) in enumerate(zip(experts.tolist(), weights.tolist())):
+            for e, w in zip(row_e, row_w):
+                if e >= 0:  # -1: a choice the policy dropped
+                    found.setdefault(e, ([], []))[0].append(t)
+                    found[e][1].append(w)
+        ids = sorted(found)
+        stream = getattr(self.experts, "stream", None)
+        groups = stream(L, ids) if stream else [list(zip(ids, self.experts.get(L, ids)))]
+        got = [item for group in groups for item in group]
+        for _, w in got:
+            self.backend.wait(w)  # its copy may still be in flight
+        if not got:
+            return residual.copy()  # (every choice dropped: a new array all the same)
+        return self.ops.experts_grouped(x, [(w, *found[e]) for e, w in got], self.act, residual)
 
     def _dense_mlp(self, L: int, x: np.ndarray, kind: str = "mlp_") -> np.ndarray:
         W, ops = self.W, self.ops
@@ -214,18 +249,28 @@ class MoEModel:
         if tokens.min(initial=0) < 0 or tokens.max(initial=0) >= c.vocab_size:
             raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
         pos = np.arange(start, start + T) if positions is None else np.asarray(positions, dtype=np.int64)
-        cos, sin = (dev(t) for t in self._rope(pos))
         windows = {c.window_of(L) for L in range(c.num_layers)}  # GPT-OSS: sliding and full layers
-        masks = {w: dev(self._visibility(start, T, pos, tree_mask, w)) for w in windows}
+        cos, sin = self._rope(pos)
+        masks = {w: self._visibility(start, T, pos, tree_mask, w) for w in windows}
+        if self.backend.on_device:  # the pass's host data goes up in one copy
+            ids, (cos, sin), masks = self.backend.to_device_together([tokens, [cos, sin], masks])
+        else:
+            ids = tokens
         rec = RoutingRecord() if record else None
         begin, end = getattr(self.experts, "begin_pass", None), getattr(self.experts, "end_pass", None)
         if begin:
             begin(T)
-        h = ops.embed(W["embed"], dev(tokens))
+        fuse = T <= getattr(ops, "max_fused_tokens", 0)  # a device's fused kernels (kernels/device.py)
+        h = ops.embed(W["embed"], ids)
         for L in range(c.num_layers):
             with self.split.part("attention"):
-                h = h + self._attention(L, ops.rms_norm(h, W[f"layers.{L}.attn_norm"], c.rms_norm_eps), start, kv, cos, sin,
-                                        masks[c.window_of(L)])
+                norm, mask = W[f"layers.{L}.attn_norm"], masks[c.window_of(L)]
+                fused = ops.gqa_block(c, W, L, h, norm, start, kv, (cos, sin), mask) if fuse else None
+                h = h + self._attention(L, ops.rms_norm(h, norm, c.rms_norm_eps), start, kv, cos, sin,
+                                        mask) if fused is None else fused
+            if fuse and c.moe_layers[L]:  # the norm joins the router's launch, the residual the experts'
+                h = self._moe(L, h, policy, rec, W[f"layers.{L}.ffn_norm"])
+                continue
             x = ops.rms_norm(h, W[f"layers.{L}.ffn_norm"], c.rms_norm_eps)
             if c.moe_layers[L]:
                 h = h + self._moe(L, x, policy, rec)
@@ -237,7 +282,10 @@ class MoEModel:
             with self.split.part("lm_head"):
                 if logits == "last":
                     h = h[-1:]
-                out = ops.linear(ops.rms_norm(h, W["norm"], c.rms_norm_eps), W["lm_head"])
+                if fuse:  # the final norm in the head's launch
+                    out = ops.linear(h, W["lm_head"], norm=(W["norm"], c.rms_norm_eps))
+                else:
+                    out = ops.linear(ops.rms_norm(h, W["norm"], c.rms_norm_eps), W["lm_head"])
         if end:
             end()
         return (None if out is None else self.backend.to_host(out)), rec  # logits to the host for sampling

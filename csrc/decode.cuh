@@ -1,0 +1,279 @@
+// Fused decode kernels (issue 19): a decode token was ~630 small device ops; these put a layer's
+// norms, projections, RoPE + KV write, attention and grouped experts into 8 launches.
+// runtime/kernels/device.py checks every limit on the host and takes the op-by-op path beyond them.
+//
+// Every thread computes its outputs alone (no shared memory, no barriers): the CPU stand-in runs a
+// block's threads one after another, and these serve decode and verification passes (a few tokens),
+// where launches, not arithmetic, bound the time. Weights are read in their stored type
+// (F32, F16, BF16), converted in registers.
+#pragma once
+
+#ifndef S2_HD
+#ifdef __CUDACC__
+#define S2_HD __host__ __device__
+#else
+#define S2_HD
+#include <cmath>
+#endif
+#endif
+
+#define S2_MAX_HEAD_DIM 256
+#define S2_MAX_TOKENS 16  // MAX_TOKENS in runtime/kernels/device.py
+
+enum S2WeightType { S2_W_F32 = 0, S2_W_F16 = 1, S2_W_BF16 = 2 };
+enum S2QkNorm { S2_QK_NONE = 0, S2_QK_FULL = 1, S2_QK_PER_HEAD = 2 };
+
+S2_HD inline float s2_bits_to_float(unsigned int u) {
+    union { unsigned int u; float f; } c;
+    c.u = u;
+    return c.f;
+}
+
+// IEEE half → float, exactly (subnormals, infinities and NaN included).
+S2_HD inline float s2_half_to_float(unsigned short h) {
+    unsigned int sign = (unsigned int)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1fu) return s2_bits_to_float(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {
+        float v = (float)man * 5.9604644775390625e-8f;  // man · 2^-24
+        return sign ? -v : v;
+    }
+    return s2_bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));  // rebias 15 → 127
+}
+
+S2_HD inline float s2_weight(const void* w, long i, int type) {
+    if (type == S2_W_F16) return s2_half_to_float(((const unsigned short*)w)[i]);
+    if (type == S2_W_BF16) return s2_bits_to_float((unsigned int)((const unsigned short*)w)[i] << 16);
+    return ((const float*)w)[i];
+}
+
+// sqrt(mean(x²) + eps) over x [K]: the RMSNorm denominator (x / denom · weight).
+S2_HD inline float s2_rms_denom(const float* x, int K, float eps) {
+    float ss = 0.f;
+    for (int j = 0; j < K; ++j) ss += x[j] * x[j];
+    return sqrtf(ss / K + eps);
+}
+
+// x [K] · row r of a row-major W [·, K].
+S2_HD inline float s2_dot(const float* x, const void* w, int type, long r, int K) {
+    float acc = 0.f;
+    long at = r * K;
+    for (int j = 0; j < K; ++j) acc += x[j] * s2_weight(w, at + j, type);
+    return acc;
+}
+
+// y [T, n0 + n1 + n2] = x [T, K] · [W0; W1; W2]ᵀ (+ bias per part) (+ residual [T, N]): up to three
+// matrices of one type and layout in one launch (q, k and v). With ``norm`` [K], x is RMSNorm-ed
+// first (each thread normalises the rows itself), and ``xn`` [T, K], when given, receives the
+// normalised rows (the experts' input beside the router logits). One thread per column, for
+// columns up to max(N, K when xn is given), over all T ≤ S2_MAX_TOKENS tokens: a weight is read
+// once per pass, not once per token.
+extern "C" __global__ void s2_linear(const float* x, int T, int K, const float* norm, float eps, float* xn, int type,
+                                     long rs, long cs, const void* w0, const float* b0, int n0, const void* w1,
+                                     const float* b1, int n1, const void* w2, const float* b2, int n2,
+                                     const float* residual, float* y) {
+    long N = (long)n0 + n1 + n2, M = (xn && K > N) ? K : N;
+    long col = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= M || T > S2_MAX_TOKENS) return;
+    float denom[S2_MAX_TOKENS], acc[S2_MAX_TOKENS];
+    for (int t = 0; t < T; ++t) {
+        denom[t] = norm ? s2_rms_denom(x + (long)t * K, K, eps) : 1.f;
+        acc[t] = 0.f;
+        if (xn && col < K) xn[(long)t * K + col] = x[(long)t * K + col] / denom[t] * norm[col];
+    }
+    if (col >= N) return;
+    long r = col;
+    const void* w = w0;
+    const float* b = b0;
+    if (r >= n0) {
+        r -= n0, w = w1, b = b1;
+        if (r >= n1) r -= n1, w = w2, b = b2;
+    }
+    long at = r * rs;
+    for (int j = 0; j < K; ++j, at += cs) {
+        float wv = s2_weight(w, at, type);
+        for (int t = 0; t < T; ++t) {
+            float xv = x[(long)t * K + j];
+            acc[t] += (norm ? xv / denom[t] * norm[j] : xv) * wv;
+        }
+    }
+    for (int t = 0; t < T; ++t) {
+        float v = acc[t];
+        if (b) v += b[r];
+        if (residual) v = residual[(long)t * N + col] + v;
+        y[(long)t * N + col] = v;
+    }
+}
+
+// y [T, H] = x / sqrt(mean(x²) + eps) · w, one thread per row.
+extern "C" __global__ void s2_rms_norm(const float* x, const float* w, int T, int H, float eps, float* y) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const float* row = x + (long)t * H;
+    float denom = s2_rms_denom(row, H, eps);
+    for (int j = 0; j < H; ++j) y[(long)t * H + j] = row[j] / denom * w[j];
+}
+
+// y [T, H] = rows ids [T] (int64) of the table W [V, H], converted to float32.
+extern "C" __global__ void s2_embed(const void* w, int type, const long long* ids, int T, int H, float* y) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)T * H) return;
+    y[i] = s2_weight(w, ids[i / H] * H + i % H, type);
+}
+
+// From qkv [T, (nh + 2·nkv)·D] (s2_linear's q | k | v), one thread per (token, q or k head):
+// the optional q/k RMSNorm (S2_QK_FULL: over the whole projection, each thread summing it itself;
+// S2_QK_PER_HEAD: over its head), RoPE with cos/sin [T, D/2] (halves, or adjacent pairs with
+// interleave), q into q_out [T, nh·D], k (and its head's v) into the cache [nkv, cap, D] at start + t.
+extern "C" __global__ void s2_qk_rope_kv(const float* qkv, int T, int nh, int nkv, int D, int norm_mode,
+                                         const float* q_norm, const float* k_norm, float eps, const float* cos,
+                                         const float* sin, int interleave, int start, int cap, float* q_out,
+                                         float* keys, float* values) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int heads = nh + nkv;
+    if (i >= T * heads || D > S2_MAX_HEAD_DIM) return;
+    int t = i / heads, hd = i % heads;
+    bool is_q = hd < nh;
+    int kh = hd - nh;
+    const float* row = qkv + (long)t * (nh + 2 * nkv) * D;
+    const float* part = is_q ? row : row + (long)nh * D;  // the whole q (or k) projection
+    const float* src = part + (long)(is_q ? hd : kh) * D;
+    const float* nw = is_q ? q_norm : k_norm;
+    float denom = 1.f;
+    long woff = 0;
+    if (norm_mode == S2_QK_FULL || norm_mode == S2_QK_PER_HEAD) {
+        const float* span = norm_mode == S2_QK_FULL ? part : src;
+        int n = norm_mode == S2_QK_FULL ? (is_q ? nh : nkv) * D : D;
+        denom = s2_rms_denom(span, n, eps);
+        woff = norm_mode == S2_QK_FULL ? (long)(is_q ? hd : kh) * D : 0;
+    }
+    float v[S2_MAX_HEAD_DIM];
+    for (int j = 0; j < D; ++j) v[j] = norm_mode ? src[j] / denom * nw[woff + j] : src[j];
+    float* dst = is_q ? q_out + ((long)t * nh + hd) * D : keys + ((long)kh * cap + start + t) * D;
+    const float* c = cos + (long)t * (D / 2);
+    const float* s = sin + (long)t * (D / 2);
+    for (int j = 0; j < D / 2; ++j) {
+        int a = interleave ? 2 * j : j, b = interleave ? 2 * j + 1 : j + D / 2;
+        dst[a] = v[a] * c[j] - v[b] * s[j];
+        dst[b] = v[b] * c[j] + v[a] * s[j];
+    }
+    if (!is_q) {
+        const float* vsrc = row + (long)(nh + nkv) * D + (long)kh * D;
+        float* vdst = values + ((long)kh * cap + start + t) * D;
+        for (int j = 0; j < D; ++j) vdst[j] = vsrc[j];
+    }
+}
+
+// Online softmax of q · K[s] · scale over the slots [s0, s1) that ``allow`` [S] marks, times V:
+// running max m, normaliser l and unnormalised sum acc [D] (m = -FLT_MAX, l = 0: no slot yet).
+S2_HD inline void s2_attend_span(const float* qv, const float* keys, const float* values, const unsigned char* allow,
+                                 int s0, int s1, int D, float scale, float* m, float* l, float* acc) {
+    for (int s = s0; s < s1; ++s) {
+        if (!allow[s]) continue;
+        const float* k = keys + (long)s * D;
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot += qv[d] * k[d];
+        float score = dot * scale;
+        if (score > *m) {  // rescale what was summed under the old max
+            float corr = expf(*m - score);
+            *l *= corr;
+            for (int d = 0; d < D; ++d) acc[d] *= corr;
+            *m = score;
+        }
+        float p = expf(score - *m);
+        *l += p;
+        const float* v = values + (long)s * D;
+        for (int d = 0; d < D; ++d) acc[d] += p * v[d];
+    }
+}
+
+// Grouped-query attention over the slots allowed [T, S] (bool) marks; q [T, nh·D], cache
+// [nkv, cap, D], heads sharing a KV head in groups. One thread per (token, head, chunk of
+// ``chunk`` slots): with one chunk it writes out [T, nh·D] itself, adding an optional sink logit
+// per head [nh] to the normaliser; with more (long contexts) it writes (m, l, acc) to part
+// [T·nh·C, D + 2] and s2_attend_merge finishes (chunks spread a long context over threads).
+extern "C" __global__ void s2_attend(const float* q, const float* keys, const float* values,
+                                     const unsigned char* allowed, int T, int S, int nh, int nkv, int D, int cap,
+                                     float scale, int chunk, const float* sinks, float* out, float* part) {
+    int C = (S + chunk - 1) / chunk;
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)T * nh * C || D > S2_MAX_HEAD_DIM) return;
+    int c = (int)(i % C), th = (int)(i / C), t = th / nh, h = th % nh, kh = h / (nh / nkv);
+    float acc[S2_MAX_HEAD_DIM];
+    for (int d = 0; d < D; ++d) acc[d] = 0.f;
+    float m = -3.402823466e38f, l = 0.f;
+    int s1 = (c + 1) * chunk < S ? (c + 1) * chunk : S;
+    s2_attend_span(q + (long)th * D, keys + (long)kh * cap * D, values + (long)kh * cap * D, allowed + (long)t * S,
+                   c * chunk, s1, D, scale, &m, &l, acc);
+    if (C > 1) {
+        float* o = part + i * (D + 2);
+        o[0] = m, o[1] = l;
+        for (int d = 0; d < D; ++d) o[2 + d] = acc[d];
+        return;
+    }
+    if (sinks && sinks[h] > m) {
+        float corr = expf(m - sinks[h]);
+        l *= corr;
+        for (int d = 0; d < D; ++d) acc[d] *= corr;
+        m = sinks[h];
+    }
+    if (sinks) l += expf(sinks[h] - m);
+    for (int d = 0; d < D; ++d) out[(long)th * D + d] = acc[d] / l;
+}
+
+// The C chunks' (m, l, acc) of s2_attend → out [T, nh·D], one thread per (token, head); the sink
+// logit (optional, per head) joins the normaliser. Chunks with no allowed slot add nothing.
+extern "C" __global__ void s2_attend_merge(const float* part, int T, int nh, int D, int C, const float* sinks,
+                                           float* out) {
+    int th = blockIdx.x * blockDim.x + threadIdx.x;
+    if (th >= T * nh) return;
+    const float* p = part + (long)th * C * (D + 2);
+    float m = sinks ? sinks[th % nh] : -3.402823466e38f;
+    for (int c = 0; c < C; ++c)
+        if (p[(long)c * (D + 2) + 1] > 0.f && p[(long)c * (D + 2)] > m) m = p[(long)c * (D + 2)];
+    float l = sinks ? expf(sinks[th % nh] - m) : 0.f;
+    for (int c = 0; c < C; ++c) {
+        const float* pc = p + (long)c * (D + 2);
+        if (pc[1] > 0.f) l += pc[1] * expf(pc[0] - m);
+    }
+    float* o = out + (long)th * D;
+    for (int d = 0; d < D; ++d) {
+        float sum = 0.f;
+        for (int c = 0; c < C; ++c) {
+            const float* pc = p + (long)c * (D + 2);
+            if (pc[1] > 0.f) sum += pc[2 + d] * expf(pc[0] - m);
+        }
+        o[d] = sum / l;
+    }
+}
+
+// Grouped experts. ``table`` (int64, one upload per group of experts) holds, for P (token, expert)
+// pairs sorted by token: [3P] device addresses of the pair's gate [I, H], up [I, H] and down [H, I]
+// weights, [P] the pair's token, [P] its mixture weight (float64 bits), [T + 1] each token's first pair.
+
+// hidden [P, I] = silu(x[t] · gate) · (x[t] · up), one thread per (pair, row).
+extern "C" __global__ void s2_experts_gate_up(const float* x, int H, int I, int P, int type, const long long* table,
+                                              float* hidden) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)P * I) return;
+    long p = i / I, r = i % I;
+    const float* xt = x + table[3L * P + p] * H;
+    float g = s2_dot(xt, (const void*)table[3 * p], type, r, H);
+    float u = s2_dot(xt, (const void*)table[3 * p + 1], type, r, H);
+    hidden[i] = g / (1.f + expf(-g)) * u;
+}
+
+// out [T, H] = base + Σ over the token's pairs of weight · (hidden[p] · down), one thread per
+// output, pairs in table order (one scatter-add per group, no atomics: the sum is deterministic).
+// base may be out itself (a later group of the same layer).
+extern "C" __global__ void s2_experts_down(const float* hidden, int H, int I, int T, int P, int type,
+                                           const long long* table, const float* base, float* out) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)T * H) return;
+    long t = i / H, j = i % H;
+    const double* mix = (const double*)(table + 4L * P);
+    const long long* first = table + 5L * P;
+    float sum = 0.f;
+    for (long long p = first[t]; p < first[t + 1]; ++p)
+        sum += (float)mix[p] * s2_dot(hidden + p * I, (const void*)table[3 * p + 2], type, j, I);
+    out[i] = base[i] + sum;
+}

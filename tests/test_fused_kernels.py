@@ -1,0 +1,159 @@
+"""The fused decode kernels (csrc/decode.cuh through kernels/device.py), their CUDA source run on the
+CPU stand-in (tests/fake_cupy.py), against the NumPy reference ops: every weight type they take,
+norms, biases, residuals, input-major matrices, q/k norms, both RoPE layouts, sinks, cached
+context and tree masks, batches of 1 to 16 tokens, and the reference path beyond their limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fake_cupy
+from s2moe.runtime.kernels import ExpertAct
+from s2moe.runtime.kernels import backend as B
+from s2moe.runtime.kernels.device import MAX_HEAD_DIM, MAX_TOKENS, DeviceOps
+from s2moe.runtime.kernels.reference import ReferenceOps
+from s2moe.runtime.kernels.stored import StoredMatrix
+from s2moe.runtime.model.attention import gqa, rms_norm
+from s2moe.runtime.model.config import ModelConfig
+from s2moe.runtime.model.kv_cache import KVCache
+from s2moe.runtime.offload.experts import ExpertWeights
+
+fake = fake_cupy.module
+ref = ReferenceOps()
+TOL = dict(rtol=1e-5, atol=2e-5)
+
+
+@pytest.fixture
+def dev():
+    return B.select_backend("cupy", module=fake)
+
+
+def _launched(fn):
+    names = []
+    real = fake_cupy._Function.__call__
+
+    def spy(self, *args, **kwargs):
+        names.append(self.name)
+        return real(self, *args, **kwargs)
+
+    fake_cupy._Function.__call__ = spy
+    try:
+        return fn(), names
+    finally:
+        fake_cupy._Function.__call__ = real
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("T", [1, 5, MAX_TOKENS, MAX_TOKENS + 1])
+def test_linear_norm_and_embed_equal_the_reference(dev, dtype, T):
+    rng = np.random.default_rng(T)
+    ops, up = DeviceOps(dev, "test"), dev.to_device
+    x = rng.standard_normal((T, 48)).astype(np.float32)
+    mats = [StoredMatrix.from_float(rng.standard_normal((n, 48)), dtype) for n in (32, 16, 16)]
+    bias, res = rng.standard_normal(16).astype(np.float32), rng.standard_normal((T, 16)).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, 48).astype(np.float32)
+    got, names = _launched(lambda: ops.linear(up(x), up(mats[1]), up(bias), residual=up(res), norm=(up(norm), 1e-5)))
+    np.testing.assert_allclose(fake.asnumpy(got), res + ref.linear(rms_norm(x, norm, 1e-5), mats[1], bias), **TOL)
+    assert names == (["s2_linear"] if T <= MAX_TOKENS else ["s2_rms_norm"])  # beyond: norm kernel + cuBLAS
+    both = ops.linear_parts(up(x), [(up(m), None) for m in mats])
+    if T > MAX_TOKENS:
+        assert both is None
+    else:
+        np.testing.assert_allclose(fake.asnumpy(both), np.concatenate([ref.linear(x, m) for m in mats], 1), **TOL)
+    xn, y = ops.norm_linear(up(x), up(norm), 1e-5, up(np.asfortranarray(mats[0].dequantize())))  # input-major
+    np.testing.assert_allclose(fake.asnumpy(xn), rms_norm(x, norm, 1e-5), **TOL)
+    np.testing.assert_allclose(fake.asnumpy(y), rms_norm(x, norm, 1e-5) @ mats[0].dequantize().T, **TOL)
+    ids = rng.integers(0, 32, T)
+    np.testing.assert_array_equal(fake.asnumpy(ops.embed(up(mats[0]), up(ids))), ref.embed(mats[0], ids))
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "Q8_0"])
+def test_grouped_experts_equal_the_reference(dev, dtype):
+    rng = np.random.default_rng(1)
+    ops, up = DeviceOps(dev, "test"), dev.to_device
+    T, H, I = 6, 32, 64
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    base = rng.standard_normal((T, H)).astype(np.float32)
+    host = [ExpertWeights(*(StoredMatrix.from_float(rng.standard_normal(s), dtype) for s in ((I, H), (I, H), (H, I))))
+            for _ in range(3)]
+    group = [([0, 2, 3], [0.5, 0.25, 0.125]), ([2], [0.75]), ([0, 5], [0.3, 0.6])]  # token 1 and 4: no expert
+    want = base.copy()
+    ref.experts(x, [(w, np.array(ts), np.array(ws, np.float32)) for w, (ts, ws) in zip(host, group)],
+                ExpertAct(), want)
+    on_device = [dev.upload_expert(w) for w in host]
+    for w in on_device:
+        dev.wait(w)
+    got, names = _launched(lambda: ops.experts_grouped(up(x), [(w, *g) for w, g in zip(on_device, group)], ExpertAct(),
+                                                       up(base)))
+    np.testing.assert_allclose(fake.asnumpy(got), want, **TOL)
+    # Q8_0 has no grouped kernel: the reference path, same result
+    assert names == (["s2_experts_gate_up", "s2_experts_down"] if dtype != "Q8_0" else [])
+
+
+def _config(qk_norm: str, interleave: bool, sinks: bool) -> ModelConfig:
+    return ModelConfig(arch="test", vocab_size=64, hidden_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                       head_dim=16, num_experts=4, top_k=2, expert_intermediate_size=32, qk_norm=qk_norm,
+                       rope_interleave=interleave, attention_sinks=sinks, attention_bias=sinks)
+
+
+@pytest.mark.parametrize("qk_norm,interleave,sinks", [("none", False, False), ("full", False, False),
+                                                      ("per_head", True, False), ("none", True, True)])
+@pytest.mark.parametrize("start,T,tree", [(0, 1, False), (5, 1, False), (3, 7, True), (2, MAX_TOKENS, False)])
+@pytest.mark.parametrize("chunk", [256, 3])  # 3: contexts longer than a chunk, split over threads and merged
+def test_attention_block_equals_the_reference(dev, monkeypatch, qk_norm, interleave, sinks, start, T, tree, chunk):
+    from s2moe.runtime.kernels import device
+
+    monkeypatch.setattr(device, "ATTEND_CHUNK", chunk)
+    rng = np.random.default_rng(start * 31 + T)
+    c = _config(qk_norm, interleave, sinks)
+    ops, up = DeviceOps(dev, "test"), dev.to_device
+    nh, nkv, D, Hd = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+    W = {"layers.0.q": rng.standard_normal((nh * D, Hd)) * 0.3, "layers.0.k": rng.standard_normal((nkv * D, Hd)) * 0.3,
+         "layers.0.v": rng.standard_normal((nkv * D, Hd)) * 0.3, "layers.0.o": rng.standard_normal((Hd, nh * D)) * 0.1}
+    W = {k: StoredMatrix.from_float(v, "F16") for k, v in W.items()}
+    if qk_norm != "none":
+        widths = (nh * D, nkv * D) if qk_norm == "full" else (D, D)
+        W.update({f"layers.0.{n}_norm": rng.uniform(0.5, 1.5, w).astype(np.float32) for n, w in zip("qk", widths)})
+    if sinks:
+        W["layers.0.sinks"] = rng.standard_normal(nh).astype(np.float32)
+        W.update({f"layers.0.{n}_bias": rng.standard_normal(m).astype(np.float32)
+                  for n, m in (("q", nh * D), ("k", nkv * D), ("v", nkv * D), ("o", Hd))})
+    h = rng.standard_normal((T, Hd)).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, Hd).astype(np.float32)
+    angles = np.outer(np.arange(start, start + T), 1.0 / 10000 ** (np.arange(0, D, 2) / D))
+    cs = (np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+    allowed = np.ones((T, start + T), dtype=bool)
+    allowed[:, start:] = np.tril(rng.random((T, T)) < 0.6) | np.eye(T, dtype=bool) if tree else np.tril(np.ones((T, T)))
+    kv_h, kv_d = KVCache(1, nkv, D, 32), KVCache(1, nkv, D, 32, xp=fake)
+    context = rng.standard_normal((2, nkv, start, D)).astype(np.float32)
+    for kv, put in ((kv_h, lambda a: a), (kv_d, up)):
+        kv.begin_write(0, start + T)
+        kv.write(0, 0, put(context[0]), put(context[1]))
+    want = h + gqa(c, W, ref, 0, rms_norm(h, norm, c.rms_norm_eps), start, kv_h, cs, allowed)
+    got, names = _launched(lambda: ops.gqa_block(c, {k: up(v) for k, v in W.items()}, 0, up(h), up(norm), start, kv_d,
+                                                 tuple(map(up, cs)), up(allowed)))
+    merge = ["s2_attend_merge"] if start + T > chunk else []
+    assert names == ["s2_linear", "s2_qk_rope_kv", "s2_attend", *merge, "s2_linear"]
+    np.testing.assert_allclose(fake.asnumpy(got), want, **TOL)
+    for cached, written in zip((kv_h.keys[0], kv_h.values[0]), (kv_d.keys[0], kv_d.values[0])):
+        np.testing.assert_allclose(fake.asnumpy(written)[:, :start + T], cached[:, :start + T], **TOL)
+
+
+def test_attention_block_declines_what_it_does_not_take(dev):
+    c = _config("none", False, False)
+    ops = DeviceOps(dev, "test")
+    h = fake.asarray(np.zeros((MAX_TOKENS + 1, 48), np.float32))
+    assert ops.gqa_block(c, {}, 0, h, None, 0, None, None, None) is None  # a prefill chunk: cuBLAS
+    clipped = ModelConfig(**{**c.__dict__, "clip_qkv": 8.0})
+    assert ops.gqa_block(clipped, {}, 0, h[:1], None, 0, None, None, None) is None
+
+
+def test_the_host_checks_the_limits_the_kernels_were_built_with():
+    import re
+
+    import s2moe.csrc
+
+    src = (s2moe.csrc.SOURCE_DIR / "decode.cuh").read_text()
+    limits = dict(re.findall(r"#define (S2_MAX_\w+) (\d+)", src))
+    assert int(limits["S2_MAX_TOKENS"]) == MAX_TOKENS and int(limits["S2_MAX_HEAD_DIM"]) == MAX_HEAD_DIM
