@@ -181,6 +181,11 @@ def test_an_integrated_gpu_stages_nothing_and_the_pool_takes_the_budget(loaded):
         for tier in ("file", "host"):
             assert _greedy(loaded, dev, tier, "0.25") == ref
         assert fake.pinned_allocs == pinned  # no pinned staging, no pinned host tier
+        # the dense weights live once, in the shared memory the device reads: no host copy kept
+        engine = build_engine(loaded.path, "0.25", 64, None, loaded=loaded, backend=dev)
+        assert loaded.dense == {} and engine.model.W
+        engine.close()
+        loaded.load_dense()  # (the module's other tests use the host copy)
         dev.limit_memory(1 << 28)
         assert fake.pool.get_limit() == 1 << 28
         dev.limit_memory(None)

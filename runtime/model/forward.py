@@ -68,7 +68,7 @@ class MoEModel:
         # dense weights where the math runs (host: the loaded objects themselves, no copy); a tied
         # head is the embedding itself, uploaded once
         dense = loaded.load_dense()
-        self.W = dense
+        self.W = self._host = dense  # _host: what routing reads on the host (score biases)
         if backend.on_device:  # (not the joined q/k/v: the device multiplies the three separately)
             dense = {k: v for k, v in dense.items() if not k.endswith((".qkv", ".qkv_bias"))}
             uploaded: dict[int, object] = {}
@@ -76,6 +76,9 @@ class MoEModel:
                 if id(v) not in uploaded:
                     uploaded[id(v)] = backend.to_device(v)
             self.W = {k: uploaded[id(v)] for k, v in dense.items()}
+            self._host = {k: v for k, v in dense.items() if k.endswith("router_score_bias")}
+            if backend.integrated:  # shared DRAM (Orin): a host copy would hold the same bytes twice
+                loaded.dense = {}
         if experts is None:  # full residency, buffered reads: the plain reference configuration
             from ..offload.cache import ExpertCache
             from ..offload.store import ExpertStore
@@ -100,7 +103,7 @@ class MoEModel:
              norm=None) -> np.ndarray:
         """The routed (and shared) experts' output on ``x``. With ``norm`` (a device pass with fused
         kernels), ``x`` is the residual stream h: h + the experts on RMSNorm(h, norm)."""
-        c, W, host = self.config, self.W, self.loaded.dense
+        c, W, host = self.config, self.W, self._host
         p = f"layers.{L}."
         residual = None
         with self.split.part("router"):
