@@ -67,16 +67,9 @@ def fit(
 
 def check_samples(samples_path: str, samples, field: str) -> None:
     """Every timing sample: the cost model's features and its seconds, finite and non-negative."""
-    from s2moe.runtime.decoding.cost_model import FEATURES
-    from s2moe.runtime.errors import UsageError
+    from s2moe.runtime.decoding.pass_log import check_pass_rows
 
-    if not isinstance(samples, list):
-        raise UsageError(f"{samples_path}: field {field} must be a list of samples; re-run s2moe-calib profile")
-    for i, sample in enumerate(samples):
-        for key in (*FEATURES, "seconds"):
-            if not isinstance(sample, dict) or key not in sample:
-                raise UsageError(f"{samples_path}: {field}[{i}] has no {key!r}; re-run s2moe-calib profile")
-            number(f"{samples_path}: {field}[{i}].{key}", sample[key], low=0)
+    check_pass_rows(samples_path, samples, field, "; re-run s2moe-calib profile")
 
 
 def same_measurement(samples: dict, prof, samples_path: str) -> None:

@@ -35,6 +35,21 @@ def pass_log(metrics, loaded, fingerprint: str, backend: str, emulation: str | N
                       if n > 0 and math.isfinite(s) and s > 0]}
 
 
+def check_pass_rows(where: str, rows, field: str, hint: str = "") -> None:
+    """Every timed pass: the cost model's features and its seconds, finite and non-negative; else one
+    line naming ``where``, the row and the key (and ``hint``, the fix)."""
+    from ..checks import number
+    from ..errors import UsageError
+
+    if not isinstance(rows, list):
+        raise UsageError(f"{where}: field {field} must be a list of passes{hint}")
+    for i, row in enumerate(rows):
+        for key in (*FEATURES, "seconds"):
+            if not isinstance(row, dict) or key not in row:
+                raise UsageError(f"{where}: {field}[{i}] has no {key!r}{hint}")
+            number(f"{where}: {field}[{i}].{key}", row[key], low=0)
+
+
 def read_pass_log(path: str) -> dict:
     """A pass log, checked field by field: one line naming the file and field, else the object."""
     from ..checks import number
@@ -54,14 +69,7 @@ def read_pass_log(path: str) -> dict:
         raise UsageError(f"--passes {path}: version {data.get('version')!r} is not supported (this tool reads "
                          f"{VERSION}); record it again with this version")
     for field in ("verification", "ar"):
-        rows = data.get(field)
-        if not isinstance(rows, list):
-            raise UsageError(f"--passes {path}: field {field} must be a list of passes")
-        for i, row in enumerate(rows):
-            for key in (*FEATURES, "seconds"):
-                if not isinstance(row, dict) or key not in row:
-                    raise UsageError(f"--passes {path}: {field}[{i}] has no {key!r}")
-                number(f"--passes {path}: {field}[{i}].{key}", row[key], low=0)
+        check_pass_rows(f"--passes {path}", data.get(field), field)
     draft = data.get("draft")
     if not isinstance(draft, list):
         raise UsageError(f"--passes {path}: field draft must be a list")

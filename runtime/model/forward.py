@@ -139,14 +139,8 @@ class MoEModel:
         then each group of fetched experts as it arrives."""
         dev = self.backend.to_device
         if experts.size <= 64:  # decode and verification: plain Python beats NumPy's per-call cost
-            found: dict[int, tuple[list, list]] = {}
-            for t, (row_e, row_w) in enumerate(zip(experts.tolist(), weights.tolist())):
-                for e, w in zip(row_e, row_w):
-                    if e >= 0:  # -1: a choice the policy dropped
-                        found.setdefault(e, ([], []))[0].append(t)
-                        found[e][1].append(w)
             rows = {e: (dev(np.array(ts, np.int32)), dev(np.array(ws, np.float32)))
-                    for e, (ts, ws) in sorted(found.items())}
+                    for e, (ts, ws) in sorted(_tokens_by_expert(experts, weights).items())}
         else:
             flat = experts.ravel()
             order = np.argsort(flat, kind="stable")
@@ -158,13 +152,16 @@ class MoEModel:
             rows = {int(e): (dev(token_of[bounds[i]:bounds[i + 1]]), dev(weight_of[bounds[i]:bounds[i + 1]]))
                     for i, e in enumerate(ids)}
         out = xp_of(x).zeros_like(x)
-        stream = getattr(self.experts, "stream", None)
-        groups = stream(L, list(rows)) if stream else [list(zip(rows, self.experts.get(L, list(rows))))]
-        for group in groups:
+        for group in self._fetch_groups(L, list(rows)):
             for _, w in group:
                 self.backend.wait(w)  # its copy (device backends) may still be in flight
             self.ops.experts(x, [(w, *rows[e]) for e, w in group], self.act, out)
         return out
+
+    def _fetch_groups(self, L: int, ids: list[int]):
+        """The layer's experts as groups of (id, weights): resident first, then as reads land."""
+        stream = getattr(self.experts, "stream", None)
+        return stream(L, ids) if stream else [list(zip(ids, self.experts.get(L, ids)))]
 
     def _experts_grouped(self, L: int, x, experts: np.ndarray, weights: np.ndarray, residual):
         """``residual`` + the routed experts, on a device with fused kernels (kernels/device.py):
@@ -172,16 +169,8 @@ class MoEModel:
         the weighted sum into the residual stream). For these short passes the experts are computed
         once every group has arrived: overlapping microseconds of compute with reads gains nothing,
         while a launch per group costs more."""
-        found: dict[int, tuple[list, list]] = {}
-        for t, (row_e, row_w) in enumerate(zip(experts.tolist(), weights.tolist())):
-            for e, w in zip(row_e, row_w):
-                if e >= 0:  # -1: a choice the policy dropped
-                    found.setdefault(e, ([], []))[0].append(t)
-                    found[e][1].append(w)
-        ids = sorted(found)
-        stream = getattr(self.experts, "stream", None)
-        groups = stream(L, ids) if stream else [list(zip(ids, self.experts.get(L, ids)))]
-        got = [item for group in groups for item in group]
+        found = _tokens_by_expert(experts, weights)
+        got = [item for group in self._fetch_groups(L, sorted(found)) for item in group]
         for _, w in got:
             self.backend.wait(w)  # its copy may still be in flight
         if not got:
@@ -292,3 +281,14 @@ class MoEModel:
         if end:
             end()
         return (None if out is None else self.backend.to_host(out)), rec  # logits to the host for sampling
+
+
+def _tokens_by_expert(experts: np.ndarray, weights: np.ndarray) -> dict[int, tuple[list, list]]:
+    """expert id → (its tokens, their mixture weights), in token order; -1 (a dropped choice) skipped."""
+    found: dict[int, tuple[list, list]] = {}
+    for t, (row_e, row_w) in enumerate(zip(experts.tolist(), weights.tolist())):
+        for e, w in zip(row_e, row_w):
+            if e >= 0:
+                found.setdefault(e, ([], []))[0].append(t)
+                found[e][1].append(w)
+    return found
