@@ -2,6 +2,8 @@
 machine at several budgets, and check that an emulated slow tier is recovered.
 
     python benchmarks/calibration.py [--budgets 1.0,0.25,0.1] [--out docs/results/calibration.json]
+    python benchmarks/calibration.py --model DIR --name widened --no-emulated \
+        --out docs/results/calibration-widened.json      # a model of your own (tools/widen_model.py)
 
 Runs the real CLIs (`s2moe-calib profile`, `s2moe-calib validate --json`) so the figures are what a
 user gets. Profiles go to docs/results/profiles/.
@@ -31,17 +33,24 @@ def main() -> None:
     ap.add_argument("--samples", default="150")
     ap.add_argument("--n-prompts", default="16")
     ap.add_argument("--out", default="docs/results/calibration.json")
+    ap.add_argument("--model", default=None, help="model folder or file (default: the embedded model)")
+    ap.add_argument("--name", default="default", help="profiles are written as cpu-NAME-BUDGET.json")
+    ap.add_argument("--rounds", default=None, help="interleaved replays per timed pass (default: the CLI's)")
+    ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-tier check")
     args = ap.parse_args()
+    model = ["--model", args.model] if args.model else []
+    rounds = ["--rounds", args.rounds] if args.rounds else []
     folder = os.path.join(ROOT, "docs", "results", "profiles")
     os.makedirs(folder, exist_ok=True)
     rows = []
     for budget in args.budgets.split(","):
-        path = os.path.join(folder, f"cpu-default-{budget}.json")
-        r = calib("profile", "--device", "cpu", "--budget", budget, "--samples", args.samples, "--out", path)
+        path = os.path.join(folder, f"cpu-{args.name}-{budget}.json")
+        r = calib("profile", "--device", "cpu", *model, *rounds, "--budget", budget, "--samples", args.samples,
+                  "--out", path)
         if r.returncode:
             sys.exit(f"profile at budget {budget} failed:\n{r.stderr}")
         prof = json.load(open(path))
-        v = calib("validate", "--profile", path, "--n-prompts", args.n_prompts, "--json")
+        v = calib("validate", "--profile", path, *rounds, "--n-prompts", args.n_prompts, "--json")
         result = json.loads(v.stdout) if v.stdout.strip() else {"error": v.stderr}
         rows.append({"budget": budget, "validate": result, "fit_in_sample": prof["cost_model"]["fit"],
                      "t_ar_ms": prof["cost_model"]["t_ar_ms"], "c_draft_ms": prof["cost_model"]["c_draft_ms"],
@@ -51,9 +60,12 @@ def main() -> None:
                      "residency": prof["hot_experts"]["strategy"],
                      "heldout_hit_rates": prof["hot_experts"]["heldout_hit_rates"]})
         print(json.dumps(rows[-1]), file=sys.stderr)
+    if args.no_emulated:
+        _write(args, rows, None)
+        return
     # emulated slow tier: known bandwidth and latency, serial fetches so T_exp = latency + bytes / BW
-    emu = os.path.join(folder, "cpu-default-emulated.json")
-    r = calib("profile", "--device", "cpu", "--budget", "0.25", "--samples", args.samples, "--fetch-threads", "1",
+    emu = os.path.join(folder, f"cpu-{args.name}-emulated.json")
+    r = calib("profile", "--device", "cpu", *model, *rounds, "--budget", "0.25", "--samples", args.samples, "--fetch-threads", "1",
               "--emulate-bandwidth", "400", "--emulate-latency", "300", "--out", emu)
     if r.returncode:
         sys.exit(f"emulated profile failed:\n{r.stderr}")
@@ -67,12 +79,16 @@ def main() -> None:
                 "t_exp_fetch_ms": fetch_ms, "latency_plus_bytes_over_bw_ms": expected_ms,
                 "t_exp_relative_error": fetch_ms / expected_ms - 1, "fit_in_sample": prof["cost_model"]["fit"]}
     # held-out validation where fetch time is deterministic: what the model does without the VM's noise
-    v = calib("validate", "--profile", emu, "--n-prompts", args.n_prompts, "--json")
+    v = calib("validate", "--profile", emu, *rounds, "--n-prompts", args.n_prompts, "--json")
     emulated["validate"] = json.loads(v.stdout) if v.stdout.strip() else {"error": v.stderr}
     print(json.dumps(emulated), file=sys.stderr)
+    _write(args, rows, emulated)
+
+
+def _write(args, rows: list, emulated: dict | None) -> None:
     with open(os.path.join(ROOT, args.out), "w") as f:
-        json.dump({"machine": machine_info(), "commit": git_commit(), "budgets": rows, "emulated": emulated}, f,
-                  indent=2)
+        json.dump({"machine": machine_info(), "commit": git_commit(), "model": args.model or "embedded default",
+                   "budgets": rows, "emulated": emulated}, f, indent=2)
 
 
 if __name__ == "__main__":

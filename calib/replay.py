@@ -88,6 +88,9 @@ def capture_passes(model: MoEModel, phase: str, pool: WeightPool) -> Iterator[li
         if cache.phase != phase:
             return original(tokens, kv, start=start, **kwargs)
         start = kv.filled if start is None else start
+        if cache.prefetching:  # routing may lean on reads in flight, which a replay cannot restore
+            raise RuntimeError(f"capture_passes: {cache.prefetching} prefetches in flight at a {phase} pass; "
+                               "capture with the cache's prefetch_slots = 0")
         resident = frozenset(k for k in cache.held if k not in cache.pinned)
         policy_state = copy.deepcopy(cache.policy) if cache.capacity is not None else None
         for key in resident:

@@ -6,7 +6,7 @@ import pytest
 
 from s2moe.calib import measure
 from s2moe.calib.passes import decode_passes
-from s2moe.calib.replay import WeightPool, replay, single_shot_samples, spread
+from s2moe.calib.replay import WeightPool, capture_passes, replay, single_shot_samples, spread
 from s2moe.runtime.offload.cache import ExpertCache
 from s2moe.runtime.cli.common import DEFAULT_MODEL
 from s2moe.runtime.decoding.cost_model import CostConstants, VerificationCostModel
@@ -52,6 +52,53 @@ def test_a_replay_that_differs_from_its_original_raises(loaded):
         passes[0].n_missing += 1
         with pytest.raises(RuntimeError, match="replay of a"):
             replay(passes[:1], pool, rounds=1)
+
+
+class _LandsShuffled:
+    """An expert provider whose reads land one at a time in a seeded random order, as a real disk's
+    threads return them."""
+
+    def __init__(self, inner, seed: int):
+        self.inner, self.rng = inner, np.random.default_rng(seed)
+
+    def stream(self, layer, experts):
+        items = [item for group in self.inner.stream(layer, experts) for item in group]
+        for i in self.rng.permutation(len(items)):
+            yield [items[i]]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_pass_computes_the_same_bits_whatever_order_its_reads_land_in(loaded):
+    # a replay (or a rerun) must route as the original did; a sum in arrival order moves the
+    # residual stream by ulps, enough to flip a near-tie in a later layer's router
+    tokens = _prompts(1)[0][:9]
+    runs = []
+    for seed in (None, 1, 2, 3):
+        cache = ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None)
+        model = MoEModel(loaded, cache if seed is None else _LandsShuffled(cache, seed))
+        logits, rec = model.forward(tokens, model.new_cache(16))
+        runs.append((logits, {L: r.experts.copy() for L, r in rec.layers.items()}))
+    for logits, experts in runs[1:]:
+        np.testing.assert_array_equal(logits, runs[0][0])
+        assert all(np.array_equal(experts[L], runs[0][1][L]) for L in experts)
+
+
+def test_profile_passes_run_without_prefetch_and_a_capture_refuses_reads_in_flight(loaded):
+    pool = WeightPool()
+    with decode_passes(loaded, _prompts(2), "0.1", None, SPEC, UNUSED, None, 12, pool) as passes:
+        cache = passes[0].model.experts
+        assert cache.prefetch_stats.issued == 0 and cache.prefetching == 0
+        model = passes[0].model
+        cache.prefetch_slots = 2
+        missing = [(L, e) for L in loaded.config.moe_layer_ids for e in range(loaded.config.num_experts)
+                   if not cache.contains(L, e)]
+        assert cache.prefetch(missing[:2]) == 2 and cache.prefetching == 2
+        with capture_passes(model, "verify", pool), cache.in_phase("verify"), \
+                pytest.raises(RuntimeError, match="2 prefetches in flight"):
+            model.forward([5, 6], model.new_cache(8))
+        cache.settle_prefetches()
 
 
 def test_controlled_passes_fetch_and_hit_what_they_were_set_up_with(loaded):

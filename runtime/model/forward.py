@@ -136,27 +136,34 @@ class MoEModel:
     def _experts(self, L: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Tokens grouped by expert; each expert's weights fetched once for the whole pass. The
         resident experts are computed first, in one kernel call, while missing ones are read;
-        then each group of fetched experts as it arrives."""
-        dev = self.backend.to_device
+        then each group of fetched experts as it arrives.
+
+        Reads land in whatever order the disk returns them, so each (token, choice) pair writes its
+        own row of a [T·k, H] buffer and the k rows are summed in routing order at the end: the
+        output, and so the next layer's routing, never depends on I/O timing (a replay or a rerun
+        must route exactly as the original did)."""
+        xp, dev = xp_of(x), self.backend.to_device
+        T, k = experts.shape
         if experts.size <= 64:  # decode and verification: plain Python beats NumPy's per-call cost
             rows = {e: (dev(np.array(ts, np.int32)), dev(np.array(ws, np.float32)))
-                    for e, (ts, ws) in sorted(_tokens_by_expert(experts, weights).items())}
+                    for e, (ts, ws) in sorted(_tokens_by_expert(experts, weights, flat=True).items())}
         else:
             flat = experts.ravel()
             order = np.argsort(flat, kind="stable")
             order = order[flat[order] >= 0]  # -1: a choice the policy dropped
             ids, starts = np.unique(flat[order], return_index=True)
             bounds = np.append(starts, order.size)
-            token_of = (order // experts.shape[1]).astype(np.int32)
+            slot_of = order.astype(np.int32)  # t·k + j: token t's j-th choice
             weight_of = weights.ravel()[order].astype(np.float32)
-            rows = {int(e): (dev(token_of[bounds[i]:bounds[i + 1]]), dev(weight_of[bounds[i]:bounds[i + 1]]))
+            rows = {int(e): (dev(slot_of[bounds[i]:bounds[i + 1]]), dev(weight_of[bounds[i]:bounds[i + 1]]))
                     for i, e in enumerate(ids)}
-        out = xp_of(x).zeros_like(x)
+        xk = xp.repeat(x, k, axis=0)  # [T·k, H]: row t·k + j is token t's input for its j-th choice
+        out = xp.zeros_like(xk)  # each row gets one expert's weighted output, added to 0: exact
         for group in self._fetch_groups(L, list(rows)):
             for _, w in group:
                 self.backend.wait(w)  # its copy (device backends) may still be in flight
-            self.ops.experts(x, [(w, *rows[e]) for e, w in group], self.act, out)
-        return out
+            self.ops.experts(xk, [(w, *rows[e]) for e, w in group], self.act, out)
+        return out.reshape(T, k, -1).sum(axis=1)
 
     def _fetch_groups(self, L: int, ids: list[int]):
         """The layer's experts as groups of (id, weights): resident first, then as reads land."""
@@ -283,12 +290,14 @@ class MoEModel:
         return (None if out is None else self.backend.to_host(out)), rec  # logits to the host for sampling
 
 
-def _tokens_by_expert(experts: np.ndarray, weights: np.ndarray) -> dict[int, tuple[list, list]]:
-    """expert id → (its tokens, their mixture weights), in token order; -1 (a dropped choice) skipped."""
+def _tokens_by_expert(experts: np.ndarray, weights: np.ndarray, flat: bool = False) -> dict[int, tuple[list, list]]:
+    """expert id → (its tokens, their mixture weights), in token order; -1 (a dropped choice) skipped.
+    ``flat``: t·k + j (the choice's row in a [T·k] layout) instead of the token t."""
     found: dict[int, tuple[list, list]] = {}
+    k = experts.shape[1]
     for t, (row_e, row_w) in enumerate(zip(experts.tolist(), weights.tolist())):
-        for e, w in zip(row_e, row_w):
+        for j, (e, w) in enumerate(zip(row_e, row_w)):
             if e >= 0:
-                found.setdefault(e, ([], []))[0].append(t)
+                found.setdefault(e, ([], []))[0].append(t * k + j if flat else t)
                 found[e][1].append(w)
     return found

@@ -433,6 +433,11 @@ class ExpertCache:
                 self.prefetch_stats.wasted += 1
                 self.prefetch_stats.wasted_bytes += self.store.stored_bytes(*key)
 
+    @property
+    def prefetching(self) -> int:
+        """Prefetches issued and not yet used or settled."""
+        return len(self._prefetched)
+
     def in_flight(self, key: Key) -> bool:
         return key in self._prefetched
 

@@ -105,7 +105,7 @@ def workspace(model: LoadedModel, batch: int, positions: int, window: int, large
         activations=16 * T * width * 4,
         attention=3 * c.num_heads * T * positions * 4 + windows * T * positions,
         logits=2 * T * V * 4 + 2 * V * 8,
-        experts=T * c.top_k * (2 * I + H) * 4 * 2,
+        experts=T * c.top_k * (2 * I + H) * 4 * 2 + 2 * T * c.top_k * H * 4,  # + per-choice inputs and outputs
         streaming=(2 * window + prefetch) * largest_expert,
         reference=(4 << 20) + T * max(V, I, H) * 4 if reference else 0,
     )
