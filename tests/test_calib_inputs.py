@@ -52,19 +52,19 @@ def hot_bytes(data: dict) -> int:
 # -- item 5: the profile reserves the KV a run reserves -------------------------------------------
 
 @pytest.fixture(scope="module")
-def profile_17m(tmp_path_factory):
-    out = tmp_path_factory.mktemp("p17") / "p17.json"
-    r = calib("profile", "--device", "cpu", "--budget", "17m", "--out", str(out), *QUICK)
+def profile_18m(tmp_path_factory):
+    out = tmp_path_factory.mktemp("p18") / "p18.json"
+    r = calib("profile", "--device", "cpu", "--budget", "18m", "--out", str(out), *QUICK)
     return out, r
 
 
-def test_profile_at_17m_is_not_refused_where_run_works(profile_17m):
-    run = s2moe("run", "--budget", "17m", "-p", "def add(a, b):", "-n", "8", "--backend", "numpy", "--json")
+def test_profile_at_18m_is_not_refused_where_run_works(profile_18m):
+    run = s2moe("run", "--budget", "18m", "-p", "def add(a, b):", "-n", "8", "--backend", "numpy", "--json")
     assert run.returncode == 0, run.stderr
-    out, r = profile_17m
+    out, r = profile_18m
     assert r.returncode == 0, r.stderr
     data = load_profile(str(out)).data
-    assert data["budget"]["spec"] == "17m" and data["budget"]["context_tokens"] == 128
+    assert data["budget"]["spec"] == "18m" and data["budget"]["context_tokens"] == 128
     assert data["budget"]["kv_positions"] == 128 + 2 * 8 + 2  # as run reserves: ctx + 2 × max(cap, 8) + 2
     # the profile's own budget and hot list work for a run of that context
     run = s2moe("run", "--profile", str(out), "-p", "def add(a, b):", "-n", "8", "--backend", "numpy", "--json")
@@ -97,8 +97,8 @@ def test_hot_list_is_sized_for_the_capacity_run_plans(tmp_path):
 
 # -- item 7: validate checks the profile's model ---------------------------------------------------
 
-def test_validate_uses_the_profiles_model_and_records_its_verdict(profile_17m, tmp_path):
-    out, r = profile_17m
+def test_validate_uses_the_profiles_model_and_records_its_verdict(profile_18m, tmp_path):
+    out, r = profile_18m
     assert r.returncode == 0, r.stderr
     assert f"next: s2moe-calib validate --profile {out}" in r.stderr
     other = tmp_path / "elsewhere.json"  # the recorded model path is absolute, wherever the profile goes
@@ -275,13 +275,13 @@ def test_default_profile_name_names_the_detected_device(tmp_path, monkeypatch):
     assert f"profiles/{kind}-default-moe.json is unchanged" in r.output and "auto-" not in r.output
 
 
-def test_profile_warns_when_its_own_fit_is_poor(profile_17m, tmp_path, monkeypatch):
+def test_profile_warns_when_its_own_fit_is_poor(profile_18m, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from s2moe.calib import profile_cmd
     from s2moe.calib.cli import app
 
-    data = load_profile(str(profile_17m[0])).data
+    data = load_profile(str(profile_18m[0])).data
     for r2, mape, warned in ((0.99, 2.0, False), (0.5, 2.0, True), (0.99, 25.0, True)):
         data["cost_model"]["fit"].update(r2=r2, mape_percent=mape)
         monkeypatch.setattr(profile_cmd, "run_profile", lambda *a, **k: data)

@@ -182,6 +182,35 @@ def test_sample_weight_lets_the_heavy_group_decide():
         VerificationCostModel(loss="huber").fit(X, y)
 
 
+def _rows(X, y) -> list[dict]:
+    return [{"n_tokens": a, "n_missing": b, "n_resident": c, "seconds": t} for (a, b, c), t in zip(X, y)]
+
+
+def test_profile_fit_weighs_controlled_passes_by_cross_validation():
+    """Controlled passes (no budget) whose hits cost 4x less than decoding's: the fixed weight 0.1
+    lets them pull the fit; cross-validation on the decode passes gives them less say."""
+    from s2moe.calib.profile_cmd import CONTROLLED_WEIGHT, fit_cost_model
+
+    rng = np.random.default_rng(5)
+    Xc = np.column_stack([rng.integers(1, 10, 150), rng.integers(0, 40, 150), rng.integers(0, 40, 150)]).astype(float)
+    yc = 5e-3 + Xc @ np.array([1e-3, 4e-3, 0.15e-3])
+    Xd = np.column_stack([rng.integers(2, 10, 160), rng.integers(1, 22, 160), rng.integers(7, 30, 160)]).astype(float)
+    yd = (6e-3 + Xd @ np.array([0.8e-3, 4.8e-3, 0.6e-3])) * rng.normal(1.0, 0.03, 160)
+    model, r2, mape = fit_cost_model(_rows(Xc, yc), _rows(Xd, yd))
+    assert model.controlled_weight_ < CONTROLLED_WEIGHT and model.cv_mape_ is not None
+    fixed = VerificationCostModel().fit(np.vstack([Xc, Xd]), np.concatenate([yc, yd]),
+                                        sample_weight=np.r_[np.full(150, CONTROLLED_WEIGHT), np.ones(160)])
+    assert mape == pytest.approx(model.mape(Xd, yd))  # scored on the decode passes
+    assert mape < fixed.mape(Xd, yd)
+    # decode passes without a miss (a 100 % budget): the controlled passes still set the miss cost
+    Xd[:, 1] = 0
+    yd = 6e-3 + Xd @ np.array([0.8e-3, 4.8e-3, 0.6e-3])
+    model, _, _ = fit_cost_model(_rows(Xc, yc), _rows(Xd, yd))
+    assert model.coef_[1] > 1e-3
+    few, _, _ = fit_cost_model(_rows(Xc, yc), _rows(Xd[:10], yd[:10]))
+    assert few.controlled_weight_ == CONTROLLED_WEIGHT and few.cv_mape_ is None
+
+
 def test_noise_ceiling_follows_the_repeat_noise():
     """Perfect repeats allow R² 1; repeats as noisy as the spread of the passes allow almost none."""
     from types import SimpleNamespace
