@@ -2,10 +2,10 @@
 
 `s2moe run --record-passes FILE` writes the passes a real run made (runtime/decoding/pass_log.py).
 They replace the profile's in-situ decode passes in the same fit `profile` makes: the profile's
-controlled passes (its samples file, when it sits beside the profile) enter at their usual small
-weight and keep the features identifiable; the run's passes carry the fit. T_AR and C_draft become
-the medians of the run's AR steps and draft phases when it made enough of them; otherwise they stay,
-and the summary says so.
+controlled passes (its samples file, when it sits beside the profile) enter at a small weight
+(chosen as `profile` chooses it, by cross-validation on the run's passes) and keep the features
+identifiable; the run's passes carry the fit. T_AR and C_draft become the medians of the run's
+AR steps and draft phases when it made enough of them; otherwise they stay, and the summary says so.
 
 The profile is only rewritten whole (temp + rename), and only for passes of its own model, backend,
 emulation and budget: anything else would mix two devices' constants.
@@ -105,7 +105,9 @@ def updated_profile(profile_path: str, passes_path: str) -> tuple[dict, dict]:
     fit = dict(c.get("fit") or {})
     fit.update({"r2": round(r2, 5), "mape_percent": round(mape * 100, 3), "n": len(controlled) + len(passes),
                 "n_controlled": len(controlled), "n_decode": len(passes),
-                "run_r2": round(model.score(X, y), 5), "run_mape_percent": round(model.mape(X, y) * 100, 3)})
+                "run_r2": round(model.score(X, y), 5), "run_mape_percent": round(model.mape(X, y) * 100, 3),
+                "scored_on": "the run's passes", "controlled_weight": model.controlled_weight_,
+                "cv_mape_percent": None if model.cv_mape_ is None else round(model.cv_mape_ * 100, 3)})
     c["fit"] = fit
     if data.get("source") == "published":  # its constants are no longer the published ones
         data["source"] = "measured"

@@ -130,11 +130,18 @@ def evaluate(profile, samples: list) -> dict:
     X = np.array([[s["n_tokens"], s["n_missing"], s["n_resident"]] for s in samples], dtype=np.float64)
     y = np.array([s["seconds"] for s in samples])
     resid = (y - model.predict(X)) / y
+    # the same model on a machine that got uniformly faster or slower since `profile` (one speed
+    # factor, the median measured / predicted): what is left is the model's error, not the drift
+    scale = float(np.median(y / np.maximum(model.predict(X), 1e-12)))
+    drifted = VerificationCostModel()
+    drifted.intercept_, drifted.coef_ = model.intercept_ * scale, model.coef_ * scale
     return {
         "r2": round(model.score(X, y), 5), "mape_percent": round(model.mape(X, y) * 100, 3), "n": len(samples),
         "residual_percent_p50": round(float(np.percentile(resid, 50)) * 100, 3),
         "residual_percent_p90_abs": round(float(np.percentile(np.abs(resid), 90)) * 100, 3),
         "measured_ms_range": [round(float(y.min()) * 1e3, 4), round(float(y.max()) * 1e3, 4)],
+        "drift_adjusted": {"speed_factor": round(scale, 4), "r2": round(drifted.score(X, y), 5),
+                           "mape_percent": round(drifted.mape(X, y) * 100, 3)},
         "predicted": model.predict(X).tolist(), "measured": y.tolist(),
     }
 
@@ -224,6 +231,9 @@ def validate(
             t.add_row("timing", f"fastest of {rounds} replays (repeat CV {summary['timing']['repeat_cv_median']})")
             t.add_row("noise ceiling R² / MAPE floor %", f"{summary['timing']['noise_ceiling_r2']} / "
                                                           f"{summary['timing']['noise_mape_floor_percent']}")
+            d = summary["drift_adjusted"]
+            t.add_row("drift-adjusted R² / MAPE %", f"{d['r2']} / {d['mape_percent']} (machine ×{d['speed_factor']} "
+                                                   "since profile)")
             t.add_row("single shot R² / MAPE %", f"{single['r2']} / {single['mape_percent']}")
             t.add_row("verdict", "[green]pass[/green]" if ok else "[red]fail[/red]")
             err.print(t)

@@ -211,6 +211,23 @@ def test_profile_fit_weighs_controlled_passes_by_cross_validation():
     assert few.controlled_weight_ == CONTROLLED_WEIGHT and few.cv_mape_ is None
 
 
+def test_validate_separates_a_machine_that_slowed_down_from_a_wrong_model():
+    from types import SimpleNamespace
+
+    from s2moe.calib.validate_cmd import evaluate
+
+    costs = CostConstants(t_ar=0.05, c_draft=0.005, t_exp_miss=4e-3, t_exp_hit=3e-4, t_base=0.01, t_token=1e-3)
+    rng = np.random.default_rng(6)
+    X = np.column_stack([rng.integers(1, 10, 80), rng.integers(0, 30, 80), rng.integers(0, 30, 80)]).astype(float)
+    truth = costs.t_base + X @ np.array([costs.t_token, costs.t_exp_miss, costs.t_exp_hit])
+    slow = evaluate(SimpleNamespace(costs=costs), _rows(X, 1.12 * truth))  # the machine got 12 % slower
+    assert slow["mape_percent"] > 9 and slow["residual_percent_p50"] > 9
+    assert slow["drift_adjusted"]["speed_factor"] == pytest.approx(1.12, abs=1e-3)
+    assert slow["drift_adjusted"]["mape_percent"] < 0.01 and slow["drift_adjusted"]["r2"] > 0.9999
+    wrong = truth + 6e-3 * (X[:, 0] > 5)  # a cost the model lacks: no speed factor explains it
+    assert evaluate(SimpleNamespace(costs=costs), _rows(X, wrong))["drift_adjusted"]["mape_percent"] > 3
+
+
 def test_noise_ceiling_follows_the_repeat_noise():
     """Perfect repeats allow R² 1; repeats as noisy as the spread of the passes allow almost none."""
     from types import SimpleNamespace
