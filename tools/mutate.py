@@ -280,6 +280,14 @@ MUTATIONS: list[Mutation] = [
     Mutation("update-takes-any-budget", "calib/update.py", "        if log.get(field) != want:",
              "        if field != \"budget\" and log.get(field) != want:",
              ["tests/test_profile_update.py", "-k", "refuses"], "a profile refitted from a run at another budget"),
+    Mutation("controlled-weight-fixed", "calib/profile_cmd.py", "        weight = min(cv, key=lambda w: (cv[w], -w))",
+             "        weight = CONTROLLED_WEIGHT", ["tests/test_replay.py", "-k", "cross_validation"],
+             "the controlled passes' weight not chosen by cross-validation"),
+    Mutation("validate-ignores-drift", "calib/validate_cmd.py",
+             "    scale = float(np.median(y / np.maximum(model.predict(X), 1e-12)))", "    scale = 1.0",
+             ["tests/test_replay.py", "-k", "slowed_down"], "validate's drift-adjusted score not adjusted"),
+    Mutation("capture-ignores-prefetch", "calib/replay.py", "        if cache.prefetching:", "        if False:",
+             ["tests/test_replay.py", "-k", "prefetch"], "a capture that keeps passes with reads in flight"),
 ]
 
 
