@@ -26,7 +26,7 @@ def fit(
         from s2moe.runtime.errors import UsageError
         from s2moe.runtime.profile import load_profile, save_profile
 
-        from .profile_cmd import fit_cost_model
+        from .profile_cmd import fit_cost_model, fit_details
 
         try:
             with open(samples_path) as f:
@@ -46,9 +46,7 @@ def fit(
         fitted = {"t_base_ms": model.intercept_ * ms, "t_token_ms": model.coef_[0] * ms,
                   "t_exp_miss_ms": model.coef_[1] * ms, "t_exp_hit_ms": model.coef_[2] * ms,
                   "fit": {"r2": round(r2, 5), "mape_percent": round(mape * 100, 3), "n": model.n_samples_,
-                          "scored_on": "decode passes" if decode else "controlled passes",
-                          "controlled_weight": model.controlled_weight_,
-                          "cv_mape_percent": None if model.cv_mape_ is None else round(model.cv_mape_ * 100, 3)}}
+                          **fit_details(model, "decode passes" if decode else "controlled passes")}}
         for key in ("t_base_ms", "t_token_ms", "t_exp_miss_ms", "t_exp_hit_ms"):
             number(f"{samples_path}: fitted {key}", fitted[key])  # finite, or one line (the samples are degenerate)
         if prof is not None:

@@ -134,6 +134,13 @@ def fit_cost_model(controlled: list[dict], decode: list[dict] = ()) -> tuple[Ver
     return model, model.score(Xs, ys), model.mape(Xs, ys)
 
 
+def fit_details(model: VerificationCostModel, scored_on: str) -> dict:
+    """What a profile's ``cost_model.fit`` records of how `fit_cost_model` weighed its passes."""
+    cv = model.cv_mape_
+    return {"scored_on": scored_on, "controlled_weight": model.controlled_weight_,
+            "cv_mape_percent": None if cv is None else round(cv * 100, 3)}
+
+
 def run_profile(model_path: str, device: str, budget: str | None, workload: str | None, out: str,
                 draft_topk: int | None, samples_n: int, emulate_bandwidth: float | None, emulate_latency: float,
                 fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False,
@@ -295,10 +302,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                                "n": len(ver) + len(in_situ), "n_controlled": len(ver), "n_decode": len(in_situ),
                                "features": list(FEATURES),
                                "timing": f"fastest of {rounds} interleaved replays per pass",
-                               "loss": "relative", "scored_on": "decode passes" if in_situ else "controlled passes",
-                               "controlled_weight": cost_model.controlled_weight_,
-                               "cv_mape_percent": None if cost_model.cv_mape_ is None
-                               else round(cost_model.cv_mape_ * 100, 3)}},
+                               "loss": "relative",
+                               **fit_details(cost_model, "decode passes" if in_situ else "controlled passes")}},
         "hot_experts": residency,
         "speculative": {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k,
                         "utility_threshold": 1.0},

@@ -70,7 +70,7 @@ def updated_profile(profile_path: str, passes_path: str) -> tuple[dict, dict]:
     from s2moe.runtime.errors import UsageError
     from s2moe.runtime.profile import load_profile
 
-    from .profile_cmd import fit_cost_model
+    from .profile_cmd import fit_cost_model, fit_details
 
     prof = load_profile(profile_path)
     log = read_pass_log(passes_path)
@@ -106,8 +106,7 @@ def updated_profile(profile_path: str, passes_path: str) -> tuple[dict, dict]:
     fit.update({"r2": round(r2, 5), "mape_percent": round(mape * 100, 3), "n": len(controlled) + len(passes),
                 "n_controlled": len(controlled), "n_decode": len(passes),
                 "run_r2": round(model.score(X, y), 5), "run_mape_percent": round(model.mape(X, y) * 100, 3),
-                "scored_on": "the run's passes", "controlled_weight": model.controlled_weight_,
-                "cv_mape_percent": None if model.cv_mape_ is None else round(model.cv_mape_ * 100, 3)})
+                **fit_details(model, "the run's passes")})
     c["fit"] = fit
     if data.get("source") == "published":  # its constants are no longer the published ones
         data["source"] = "measured"

@@ -139,6 +139,9 @@ def test_interrupted_profile_leaves_existing_profile_untouched(calib_model, tmp_
     data = profile_cmd.run_profile(calib_model, "cpu", None, WORKLOAD, str(target), None, 12, None, 0.0, 1, 4,
                                    resume=True)
     assert data["cost_model"]["fit"]["n_controlled"] == 12
+    fit = data["cost_model"]["fit"]  # how the controlled passes were weighed is on record
+    assert fit["scored_on"] == "decode passes" and fit["controlled_weight"] in profile_cmd.CONTROLLED_WEIGHTS
+    assert fit["cv_mape_percent"] > 0
     assert data["hot_experts"] == kept["hot_experts"]  # the interrupted run's stages, not re-measured
 
 

@@ -70,15 +70,16 @@ class _LandsShuffled:
         return getattr(self.inner, name)
 
 
-def test_a_pass_computes_the_same_bits_whatever_order_its_reads_land_in(loaded):
+@pytest.mark.parametrize("n_tokens", [9, 20])  # 20 × top-4 > 64 choices: the vectorised grouping
+def test_a_pass_computes_the_same_bits_whatever_order_its_reads_land_in(loaded, n_tokens):
     # a replay (or a rerun) must route as the original did; a sum in arrival order moves the
     # residual stream by ulps, enough to flip a near-tie in a later layer's router
-    tokens = _prompts(1)[0][:9]
+    tokens = sum(_prompts(2), [])[:n_tokens]
     runs = []
     for seed in (None, 1, 2, 3):
         cache = ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None)
         model = MoEModel(loaded, cache if seed is None else _LandsShuffled(cache, seed))
-        logits, rec = model.forward(tokens, model.new_cache(16))
+        logits, rec = model.forward(tokens, model.new_cache(32))
         runs.append((logits, {L: r.experts.copy() for L, r in rec.layers.items()}))
     for logits, experts in runs[1:]:
         np.testing.assert_array_equal(logits, runs[0][0])
