@@ -124,7 +124,10 @@ def build_engine(
         backend.limit_memory(None if everything else int(plan.model_bytes * 1.05) + (32 << 20))
     loaded.load_dense(direct_io)
     emulation = Emulation(emulate_bandwidth, emulate_latency)
-    store = ExpertStore(loaded, direct=direct_io, emulation=emulation,
+    # read buffers are reused within what the plan gives experts on the host: the cache's capacity
+    # (host backend) plus the streaming workspace
+    pool = (0 if backend.on_device else plan.expert_capacity) + (plan.work.streaming if plan.work else 0)
+    store = ExpertStore(loaded, direct=direct_io, emulation=emulation, pool_bytes=pool,
                         **({"threads": fetch_threads} if fetch_threads else {}))
     if offload_tier == "host":
         from .offload.host_tier import HostTier

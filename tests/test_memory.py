@@ -64,6 +64,8 @@ def test_peak_memory_within_the_plan(which, budget, measure, wide_model):
     plan = out["stats"]["offload"]["memory"]
     cache = out["stats"]["offload"]["cache"]
     assert cache["peak_resident_bytes"] <= plan["expert_capacity_bytes"]
+    # reused read buffers (in use or free) stay within what the plan gives experts on the host
+    assert cache["read_buffers"]["limit_bytes"] == plan["expert_capacity_bytes"] + plan["workspace"]["streaming"]
     over = peak - plan["total_bytes"]
     print(f"{which} at {budget}: peak {peak >> 20} MiB by {measure}, plan {plan['total_bytes'] >> 20} MiB")
     assert over <= SLACK, f"peak {peak} exceeds plan {plan['total_bytes']} + 64 MiB by {over - SLACK} ({measure})"

@@ -14,6 +14,7 @@ from s2moe.runtime.engine import build_engine, read_hot_experts
 from s2moe.runtime.errors import UsageError
 from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.model.loader import load_model
+from s2moe.runtime.offload.reader import ALIGN, BufferPool
 from s2moe.runtime.offload.store import Emulation, ExpertStore
 
 
@@ -43,6 +44,10 @@ def test_output_identical_at_every_budget(tiny_model_dirs, policy):
             assert cache.resident_bytes == sum(w.nbytes for w in cache.held.values())
             ar = cache.stats["ar"]
             assert ar.misses > 0 and ar.bytes_read > 0 and ar.passes > 0
+            buffers = cache.report()["read_buffers"]  # evicted experts' buffers carried later reads
+            if share == "0.1" and all(engine.model.experts.store.direct_files.values()):
+                assert buffers["reused"] > 0, buffers
+            assert buffers["free_bytes"] + buffers["outstanding_bytes"] <= buffers["limit_bytes"]
 
 
 def test_requests_larger_than_the_budget_stream_and_stay_within_it(olmoe_dir, rng):
@@ -141,6 +146,40 @@ def test_direct_io_or_announced_fallback(olmoe_dir, capsys):
     (path, direct), = store.direct_files.items()
     if not direct:  # some file systems (tmpfs) refuse O_DIRECT: then it must have said so
         assert "O_DIRECT refused" in capsys.readouterr().err
+
+
+def test_a_read_buffer_is_reused_only_after_its_last_view_is_gone():
+    pool = BufferPool(1 << 20)
+    a = pool.take(5000)  # two pages
+    assert a.size == 2 * ALIGN and a.ctypes.data % ALIGN == 0
+    a[:] = 7
+    view = a[100:300].view(np.uint16).reshape(20, 5)  # what an expert keeps: views of the buffer
+    del a
+    assert pool.free_bytes == 0 and pool.outstanding == 2 * ALIGN  # the view still holds it
+    b = pool.take(5000)
+    b[:] = 9
+    assert pool.created == 2 and (view == 0x0707).all()  # a new buffer: the view's bytes untouched
+    del view
+    assert pool.free_bytes == 2 * ALIGN and pool.outstanding == 2 * ALIGN
+    c = pool.take(8000)  # same page count: the freed buffer comes back
+    assert pool.reused == 1 and pool.created == 2 and c.ctypes.data % ALIGN == 0
+    del b, c
+    assert pool.outstanding == 0 and pool.free_bytes == 4 * ALIGN
+
+
+def test_the_read_buffer_pool_never_holds_more_than_its_limit():
+    pool = BufferPool(3 * ALIGN)
+    x, y = pool.take(2 * ALIGN), pool.take(2 * ALIGN)  # handed out past the limit: reads never wait
+    del x  # 2 pages still out + 2 kept would be 4 > 3: unmapped, not kept
+    assert pool.free_bytes == 0
+    del y
+    assert pool.free_bytes == 2 * ALIGN
+    z = pool.take(ALIGN)  # another size: 2 free + 1 out = 3 fits, the free one stays
+    assert pool.free_bytes == 2 * ALIGN and pool.created == 3
+    w = pool.take(ALIGN)  # 2 free + 2 out = 4 > 3: the free one makes way
+    assert pool.free_bytes == 0 and pool.outstanding == 2 * ALIGN
+    del z, w
+    assert pool.free_bytes + pool.outstanding <= pool.limit
 
 
 def test_lfu_heap_picks_the_same_victim_as_a_full_scan():

@@ -451,7 +451,9 @@ class ExpertCache:
         return mask
 
     def report(self) -> dict:
+        pool = getattr(getattr(self.store, "reader", None), "pool", None)
         return {
+            **({"read_buffers": pool.stats()} if pool is not None else {}),
             "prefetch": self.prefetch_stats.to_dict(),
             "policy": self.policy.name,
             "capacity_bytes": self.capacity,

@@ -8,7 +8,7 @@ O_DIRECT is refused (tmpfs, some overlay file systems) we read buffered into an 
 the file's pages afterwards with ``posix_fadvise(DONTNEED)``, and say so once.
 
 Nothing here maps a model file: the only mappings are anonymous buffers, released when the last
-array viewing them goes away.
+array viewing them goes away, or kept by a `BufferPool` for the next read.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -77,10 +78,70 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
 
 
-class FileReader:
-    """Thread-safe reads of (path, offset, nbytes) ranges, O_DIRECT where allowed."""
+class BufferPool:
+    """Page-aligned read buffers, reused once the last array viewing one is gone.
 
-    def __init__(self, direct: bool = True):
+    A fresh anonymous map per read costs a page fault per 4 KiB when the device writes into it, and
+    an unmap when it is freed; on this 2-core VM that is ~10 ms of CPU per 3 MiB expert, taken from
+    the matmuls running beside the read (a background read slowed a matvec loop 1.8x; a reused
+    buffer 1.15x, `docs/performance.md`). A buffer whose array dies goes back to a free list (one
+    per size in pages) instead, as long as the buffers handed out plus those kept stay within
+    ``limit_bytes``: the engine passes the plan's expert capacity plus its streaming workspace, so
+    keeping them never takes the process past its plan."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit = int(limit_bytes)
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self.free_bytes = 0
+        self.outstanding = 0  # bytes handed out whose arrays are still alive
+        self.created = self.reused = 0
+        self._lock = threading.RLock()  # a collection inside take() may run _give_back on this thread
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A page-aligned uint8 array of ``nbytes`` rounded up to pages."""
+        size = max(-(-nbytes // ALIGN) * ALIGN, ALIGN)
+        with self._lock:
+            stack = self._free.get(size)
+            mm = stack.pop() if stack else None
+            if mm is not None:
+                self.free_bytes -= size
+                self.reused += 1
+            else:  # other sizes kept free make way, so the pool stays within its limit
+                while self.free_bytes and self.free_bytes + self.outstanding + size > self.limit:
+                    self._drop_one()
+                self.created += 1
+            self.outstanding += size
+        if mm is None:
+            mm = mmap.mmap(-1, size)
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        # views (slices, dtype views, reshapes) keep `arr` as their base: it dies with the last one
+        weakref.finalize(arr, self._give_back, mm, size)
+        return arr
+
+    def _give_back(self, mm: mmap.mmap, size: int) -> None:
+        with self._lock:
+            self.outstanding -= size
+            if self.free_bytes + self.outstanding + size <= self.limit:
+                self._free.setdefault(size, []).append(mm)
+                self.free_bytes += size
+        # not kept: dropping our reference unmaps it once the dying array's export is released
+
+    def _drop_one(self) -> None:
+        size = max((s for s, stack in self._free.items() if stack), key=lambda s: s)
+        self._free[size].pop()
+        self.free_bytes -= size
+
+    def stats(self) -> dict:
+        return {"limit_bytes": self.limit, "created": self.created, "reused": self.reused,
+                "free_bytes": self.free_bytes, "outstanding_bytes": self.outstanding}
+
+
+class FileReader:
+    """Thread-safe reads of (path, offset, nbytes) ranges, O_DIRECT where allowed; ``pool`` reuses
+    the page-aligned buffers of O_DIRECT reads (None: a fresh map per read)."""
+
+    def __init__(self, direct: bool = True, pool: BufferPool | None = None):
+        self.pool = pool
         self.want_direct = direct
         self.direct_files: dict[str, bool] = {}
         self._fds: dict[str, int] = {}
@@ -123,7 +184,7 @@ class FileReader:
         try:
             if self.direct_files[path]:
                 head = offset % ALIGN
-                buf = aligned_empty(head + nbytes)
+                buf = self.pool.take(head + nbytes) if self.pool else aligned_empty(head + nbytes)
                 got = os.preadv(fd, [memoryview(buf)], offset - head)
                 if got < head + nbytes:
                     raise ExpertReadError(f"{path}: short read of {where} ({max(got - head, 0)} of {nbytes} "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..model.loader import ExpertRefs, LoadedModel
 from .experts import ExpertWeights, assemble
-from .reader import ALIGN, FileReader, coalesce, reset_warnings, warn_once  # noqa: F401 (re-exported)
+from .reader import ALIGN, BufferPool, FileReader, coalesce, reset_warnings, warn_once  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -70,10 +70,12 @@ class ExpertStore:
     """Reads (layer, expert) byte ranges; ``read`` is thread-safe, ``read_many`` is concurrent."""
 
     def __init__(self, model: LoadedModel, direct: bool = True, emulation: Emulation = Emulation(),
-                 threads: int = 8):
+                 threads: int = 8, pool_bytes: int = 0):
+        """``pool_bytes``: reuse read buffers, holding at most this many bytes in them (in use or
+        free); 0 maps a fresh buffer per read."""
         self.refs: dict[tuple[int, int], ExpertRefs] = model.experts
         self.emulation = emulation
-        self.reader = FileReader(direct)
+        self.reader = FileReader(direct, BufferPool(pool_bytes) if pool_bytes > 0 else None)
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="s2moe-fetch") if threads > 1 else None
 
