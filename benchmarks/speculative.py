@@ -1,8 +1,12 @@
 """S²-MoE vs AR and the baselines (embedded default model, or --model): `s2moe bench` at several budgets
 over HumanEval, GSM8K and MT-Bench prompts, in one process per configuration.
 
-    python benchmarks/speculative.py [--n-prompts 8] [--max-tokens 64] [--budgets 1.0,0.25,0.1]
+    python benchmarks/speculative.py [--n-prompts 8] [--max-tokens 64] [--budgets 1.0,0.25,0.1] [--reps 3]
                                      [--emulate-bandwidth MB/s --emulate-latency µs]
+
+Each repetition runs every budget × workload × method once, AR first in each (budget, workload), so
+a method's speedup is taken against the AR run just before it; the table gives the median over
+repetitions of those ratios (this machine drifts by tens of percent between minutes).
 
 Writes raw records (per-prompt samples, machine, commit) to docs/results/speculative*.json/.csv
 and prints markdown rows for docs/performance.md. Fetches come from the model file with O_DIRECT;
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +42,7 @@ def main() -> None:
                     "tools/widen_model.py makes the cost-realistic one")
     ap.add_argument("--no-live-costs", action="store_true", help="keep the start-up (or profile) constants fixed")
     ap.add_argument("--rg-variant", default="paper", help="reuse-aware gating variant: paper, code or resident")
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of the whole sweep")
     ap.add_argument("--out", default="docs/results/speculative")
     args = ap.parse_args()
 
@@ -57,22 +63,44 @@ def main() -> None:
     settings = make_settings(loaded.config, None, None, None, None, args.rg_variant, prof)
     methods = args.methods.split(",")
     records: list[Record] = []
-    for budget in args.budgets.split(","):
-        for workload in args.workloads.split(","):
-            print(f"budget {budget} · {workload}", file=sys.stderr)
-            rs = run_bench(loaded, tok, workload, methods, budget, args.n_prompts, args.max_tokens, settings,
-                           prof.costs if prof else None, SamplingParams(), estimate=estimate_costs, engine_kw=engine_kw,
-                           live=not args.no_live_costs)
-            records += rs
+    for rep in range(args.reps):
+        for budget in args.budgets.split(","):
+            for workload in args.workloads.split(","):
+                print(f"repetition {rep + 1} · budget {budget} · {workload}", file=sys.stderr)
+                rs = run_bench(loaded, tok, workload, methods, budget, args.n_prompts, args.max_tokens, settings,
+                               prof.costs if prof else None, SamplingParams(), estimate=estimate_costs,
+                               engine_kw=engine_kw, live=not args.no_live_costs)
+                for r in rs:
+                    r.params["repetition"] = rep + 1
+                records += rs
     write_outputs(records, machine_info(), args.out, "speculative decoding")
-    print("| budget | workload | method | tok/s (median) | speedup vs AR | acceptance length | reuse ratio | KiB fetched/token |")
-    print("|---|---|---|---|---|---|---|---|")
+    print_summary(records)
+
+
+def print_summary(records) -> None:
+    """Markdown: per (budget, workload, method) medians over repetitions, the per-repetition
+    speedups, and where a generated token's time goes (ms, medians)."""
+    med = statistics.median
+    groups: dict = {}
     for r in records:
-        x = r.extra
-        reuse = "-" if x["reuse_ratio"] is None else f"{x['reuse_ratio']:.3f}"
-        print(f"| {r.params['budget']} | {r.params['workload']} | {r.name} | {r.median:.1f} | "
-              f"{x['speedup_vs_ar']:.2f}× | {x['acceptance_length']:.2f} | {reuse} | "
-              f"{x['bytes_fetched_per_token'] / 1024:.1f} |")
+        groups.setdefault((r.params["budget"], r.params["workload"], r.name), []).append(r)
+    print("| budget | workload | method | tok/s | speedup vs AR (per repetition) | acceptance length | "
+          "reuse ratio | KiB fetched/token |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (budget, workload, name), rs in groups.items():
+        x = [r.extra for r in rs]
+        reuse = [e["reuse_ratio"] for e in x if e["reuse_ratio"] is not None]
+        each = ", ".join(f"{e['speedup_vs_ar']:.2f}" for e in x)
+        print(f"| {budget} | {workload} | {name} | {med(e['decode_tokens_per_s_aggregate'] for e in x):.1f} | "
+              f"**{med(e['speedup_vs_ar'] for e in x):.2f}×** ({each}) | "
+              f"{med(e['acceptance_length'] for e in x):.2f} | {f'{med(reuse):.3f}' if reuse else '-'} | "
+              f"{med(e['bytes_fetched_per_token'] for e in x) / 1024:.0f} |")
+    parts = ("draft_compute", "verify_compute", "other_compute", "fetch_critical", "fetch_hidden", "total")
+    print("\n| budget | workload | method | " + " | ".join(parts) + " |")
+    print("|---|---|---|" + "---|" * len(parts))
+    for (budget, workload, name), rs in groups.items():
+        print(f"| {budget} | {workload} | {name} | " +
+              " | ".join(f"{med(r.extra['ms_per_token'][k] for r in rs):.1f}" for k in parts) + " |")
 
 if __name__ == "__main__":
     main()

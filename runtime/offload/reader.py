@@ -115,7 +115,7 @@ class BufferPool:
             mm = mmap.mmap(-1, size)
         arr = np.frombuffer(mm, dtype=np.uint8)
         # views (slices, dtype views, reshapes) keep `arr` as their base: it dies with the last one
-        weakref.finalize(arr, self._give_back, mm, size)
+        weakref.finalize(arr, self._give_back, mm, size).atexit = False  # nothing to give back at exit
         return arr
 
     def _give_back(self, mm: mmap.mmap, size: int) -> None:
