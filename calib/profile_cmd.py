@@ -186,7 +186,9 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
 
     with _progress() as progress:
         # offload tier: raw requests at sizes around the expert size
-        store = ExpertStore(loaded, direct=True, emulation=emulation, threads=fetch_threads)
+        # buffers reused as at run time (the probes read up to 4 experts' worth, one at a time)
+        probe = max(max(e.stored_bytes for e in loaded.experts.values()), 64 << 10)
+        store = ExpertStore(loaded, direct=True, emulation=emulation, threads=fetch_threads, pool_bytes=9 * probe)
         reps = 6
         t = progress.add_task("offload bandwidth", total=reps * 5)
         bw = gathered.get("offload") or measure.offload_bandwidth(store, loaded, reps, lambda: progress.advance(t))

@@ -46,8 +46,9 @@ def git_commit() -> str:
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
+        # docs/ holds the benchmarks' own outputs: a run that wrote its records is not "dirty" code
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "") if sha else "unknown"
     except OSError:
         return "unknown"

@@ -148,6 +148,20 @@ def test_direct_io_or_announced_fallback(olmoe_dir, capsys):
         assert "O_DIRECT refused" in capsys.readouterr().err
 
 
+def test_an_emulated_wait_sleeps_instead_of_spinning():
+    """The emulated link's waits run on the fetch threads beside the compute: they must not burn a
+    core (or hold the GIL) while they wait, or the emulated tier slows compute as no real disk does."""
+    from s2moe.runtime.offload.store import _wait_until
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(50):
+        deadline = time.perf_counter() + 300e-6  # the emulated latency the benchmarks use
+        _wait_until(deadline)
+        assert time.perf_counter() >= deadline  # never early: the link's floor holds
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    assert wall >= 50 * 300e-6 and cpu < 0.3 * wall, (cpu, wall)
+
+
 def test_a_read_buffer_is_reused_only_after_its_last_view_is_gone():
     pool = BufferPool(1 << 20)
     a = pool.take(5000)  # two pages

@@ -294,6 +294,8 @@ MUTATIONS: list[Mutation] = [
     Mutation("read-buffer-pool-unbounded", "runtime/offload/reader.py",
              "            if self.free_bytes + self.outstanding + size <= self.limit:", "            if True:",
              ["tests/test_offload.py", "-k", "limit"], "freed read buffers kept past the plan"),
+    Mutation("emulated-wait-spins", "runtime/offload/store.py", "        time.sleep(left)\n",
+             "        pass\n", ["tests/test_offload.py", "-k", "emulated"], "an emulated link that burns a core while it waits"),
 ]
 
 
