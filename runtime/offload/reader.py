@@ -127,7 +127,7 @@ class BufferPool:
         # not kept: dropping our reference unmaps it once the dying array's export is released
 
     def _drop_one(self) -> None:
-        size = max((s for s, stack in self._free.items() if stack), key=lambda s: s)
+        size = max(s for s, stack in self._free.items() if stack)  # the largest goes first
         self._free[size].pop()
         self.free_bytes -= size
 
