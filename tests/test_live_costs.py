@@ -83,3 +83,26 @@ def test_decoder_uses_the_live_constants_and_keeps_them_fixed_without_live():
     fixed = SpeculativeDecoder(engine.model, get_method("ca"), settings, PRIOR)
     fixed.generate(ids, 24)
     assert fixed.costs is PRIOR and fixed.live is None
+
+
+def test_the_wait_for_prefetched_experts_is_a_running_mean_per_expert():
+    live = LiveCosts(PRIOR)
+    assert live.current().t_exp_inflight == 0.0  # the profile's: prefetches land during the draft
+    for _ in range(30):
+        live.observe_prefetch_wait(4, 0.02)  # 4 prefetched experts used, 20 ms waited for them
+    live.observe_prefetch_wait(0, 1.0)  # a verification that used none says nothing
+    assert abs(live.current().t_exp_inflight / 5e-3 - 1) < 0.02
+
+
+def test_live_in_flight_cost_is_what_verification_waited_for_prefetches():
+    # a 10 MB/s link: a prefetch needs ~17 ms, far longer than a draft pass, so verification
+    # still waits for most of what the draft prefetched; AE must not price those as hits
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 256, emulate_bandwidth=10.0)
+    miss = engine.cache.store.stored_bytes(0, 0) / 10e6
+    settings = SpecSettings(draft_topk=2, draft_cap=4)  # prefetch on
+    decoder = SpeculativeDecoder(engine.model, get_method("ca"), settings, PRIOR, live=True)
+    ids = [int(t) for t in np.random.default_rng(7).integers(0, 6000, 12)]
+    _run_until(decoder, ids, 10)
+    stats = engine.cache.prefetch_stats
+    assert stats.used > 0 and decoder.live.inflight.n > 0
+    assert decoder.costs.t_exp_inflight > 0.2 * miss, (decoder.costs.t_exp_inflight, miss, stats.to_dict())

@@ -72,12 +72,17 @@ def test_committed_kv_equals_fresh_prefill(tiny_model_dirs, name):
 
 
 def test_marginal_cost_counts_only_new_experts_and_resident_is_cheaper():
-    costs = CostConstants(t_ar=1.0, c_draft=0.1, t_exp_miss=0.01, t_exp_hit=0.001)
+    costs = CostConstants(t_ar=1.0, c_draft=0.1, t_exp_miss=0.01, t_exp_hit=0.001, t_exp_inflight=0.004)
     E_i = {(0, 1), (0, 2), (1, 3)}
     S = {(0, 1)}
-    assert marginal_verification_cost(E_i - S, lambda k: False, costs) == pytest.approx(0.02)
-    assert marginal_verification_cost(E_i - S, lambda k: k == (1, 3), costs) == pytest.approx(0.011)
-    assert marginal_verification_cost(E_i - E_i, lambda k: False, costs) == 0.0
+    missing = lambda k: "missing"  # noqa: E731
+    assert marginal_verification_cost(E_i - S, missing, costs) == pytest.approx(0.02)
+    held = lambda k: "held" if k == (1, 3) else "missing"  # noqa: E731
+    assert marginal_verification_cost(E_i - S, held, costs) == pytest.approx(0.011)
+    # a prefetch still reading it: a hit plus what verification has been waiting for such reads
+    flying = lambda k: "in_flight" if k == (1, 3) else "missing"  # noqa: E731
+    assert marginal_verification_cost(E_i - S, flying, costs) == pytest.approx(0.015)
+    assert marginal_verification_cost(E_i - E_i, missing, costs) == 0.0
 
 
 def test_utility_rule_admits_more_when_verification_is_cheap(tiny_model_dirs):

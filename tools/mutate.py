@@ -296,6 +296,12 @@ MUTATIONS: list[Mutation] = [
              ["tests/test_offload.py", "-k", "limit"], "freed read buffers kept past the plan"),
     Mutation("emulated-wait-spins", "runtime/offload/store.py", "        time.sleep(left)\n",
              "        pass\n", ["tests/test_offload.py", "-k", "emulated"], "an emulated link that burns a core while it waits"),
+    Mutation("inflight-priced-as-hit", "runtime/decoding/cost_model.py",
+             "            return self.t_exp_hit + self.t_exp_inflight", "            return self.t_exp_hit",
+             ["tests/test_speculative.py", "-k", "marginal_cost"], "AE pricing a prefetch still reading as resident"),
+    Mutation("prefetch-wait-not-observed", SPEC, "                    self.live.observe_prefetch_wait(",
+             "                    (lambda *a: None)(", ["tests/test_live_costs.py", "-k", "in_flight"],
+             "live costs that never learn how long verification waits for prefetches"),
 ]
 
 

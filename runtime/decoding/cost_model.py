@@ -27,8 +27,13 @@ class CostConstants:
     t_base: float = 0.0
     t_token: float = 0.0
     source: str = "estimated"
+    # what verification still waits for an expert a prefetch was reading (beyond a hit): 0 on a
+    # fast tier, where prefetches land during the draft; live runs measure it
+    t_exp_inflight: float = 0.0
 
-    def expert_cost(self, resident: bool) -> float:
+    def expert_cost(self, resident: bool, in_flight: bool = False) -> float:
+        if in_flight:
+            return self.t_exp_hit + self.t_exp_inflight
         return self.t_exp_hit if resident else self.t_exp_miss
 
     def to_dict(self) -> dict:

@@ -11,7 +11,10 @@ the run actually makes:
   predictions off by more than 15 % for 4 passes running, as when a disk slows down) forgets the
   old passes at once instead of averaging them away slowly;
 - draft passes: an exponentially weighted mean of seconds per drafted token (C_draft);
-- single-token passes (AR steps, empty drafts): the same for T_AR.
+- single-token passes (AR steps, empty drafts): the same for T_AR;
+- prefetched experts a verification used: an exponentially weighted mean of how long it still
+  waited for each (t_exp_inflight). AE prices an expert a prefetch is reading at a hit plus that:
+  on a fast tier the reads land during the draft, on a slow link verification waits for most of them.
 
 `current()` returns `CostConstants` for AE; `drift()` compares them with the profile's.
 """
@@ -56,6 +59,7 @@ class LiveCosts:
         self.residual, self.off_run, self.restarts = 0.0, 0, 0
         self.t_ar = _EwMean(prior.t_ar, prior_passes, self.decay)
         self.c_draft = _EwMean(prior.c_draft, prior_passes, self.decay)
+        self.inflight = _EwMean(prior.t_exp_inflight, prior_passes, self.decay)
 
     def observe_verify(self, n_tokens: int, n_missing: int, n_resident: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
@@ -85,6 +89,11 @@ class LiveCosts:
         if passes > 0 and math.isfinite(seconds) and seconds > 0:
             self.c_draft.observe(seconds / passes)
 
+    def observe_prefetch_wait(self, used: int, waited_seconds: float) -> None:
+        """A verification used ``used`` prefetched experts and waited ``waited_seconds`` for them."""
+        if used > 0 and math.isfinite(waited_seconds) and waited_seconds >= 0:
+            self.inflight.observe(waited_seconds / used)
+
     def coefficients(self) -> np.ndarray:
         """(t_base, t_token, t_exp_miss, t_exp_hit): the ridge fit toward the profile's, ≥ 0."""
         if self.passes == 0:
@@ -96,7 +105,8 @@ class LiveCosts:
     def current(self) -> CostConstants:
         base, token, miss, hit = (float(x) for x in self.coefficients())
         return replace(self.prior, t_base=base, t_token=token, t_exp_miss=miss, t_exp_hit=hit,
-                       t_ar=self.t_ar.value, c_draft=self.c_draft.value, source="live")
+                       t_ar=self.t_ar.value, c_draft=self.c_draft.value, t_exp_inflight=self.inflight.value,
+                       source="live")
 
     def drift(self) -> dict[str, float]:
         """Relative change of each constant from the profile's (only those the profile set)."""

@@ -32,11 +32,16 @@ from .metrics import SpecMetrics
 Key = tuple[int, int]
 
 
-def marginal_verification_cost(new_experts: set[Key], is_resident, costs: CostConstants) -> float:
+def marginal_verification_cost(new_experts: set[Key], state, costs: CostConstants) -> float:
     """ΔC_ver(i|S): the cost of the experts token i adds to the verification batch (``new_experts``
-    = E_i minus those S already brings). A resident expert costs compute only; a missing one
-    also its fetch."""
-    return sum(costs.expert_cost(is_resident(key)) for key in new_experts)
+    = E_i minus those S already brings). ``state(key)``: "held", "in_flight" (a prefetch is
+    reading it) or "missing". A held expert costs compute only, one in flight also what
+    verification still waits for it, a missing one its whole fetch."""
+    total = 0.0
+    for key in new_experts:
+        where = state(key)
+        total += costs.expert_cost(where == "held", where == "in_flight")
+    return total
 
 
 @dataclass
@@ -76,11 +81,14 @@ class SpeculativeDecoder:
         self._cascade_k: int | None = None
 
     # -- helpers --------------------------------------------------------------------------------
-    def _resident(self, key: Key) -> bool:
-        """Held, or being prefetched: verification pays compute for it, not a wait on the slow tier."""
+    def _state(self, key: Key) -> str:
+        """Where verification will find an expert: "held", "in_flight" (prefetched, perhaps not
+        landed yet: priced at what verification has been waiting for such reads) or "missing"."""
         contains = getattr(self.cache, "contains", None)
+        if contains and contains(*key):
+            return "held"
         in_flight = getattr(self.cache, "in_flight", None)
-        return bool(contains and contains(*key)) or bool(in_flight and in_flight(key))
+        return "in_flight" if in_flight and in_flight(key) else "missing"
 
     def _available(self, layer: int):
         mask = getattr(self.cache, "available_mask", None)
@@ -179,7 +187,7 @@ class SpeculativeDecoder:
                 self._prefetch(self._predicted_experts(rec, 0))  # verification will need these: read them now
             if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
                 new = self._predicted_experts(rec, 0, selected) - selected
-                delta = marginal_verification_cost(new, self._resident, costs)
+                delta = marginal_verification_cost(new, self._state, costs)
                 utility = prefix * prob * costs.t_ar / (delta + costs.c_draft)
                 if utility < s.utility_threshold:
                     if dist is None:
@@ -246,6 +254,8 @@ class SpeculativeDecoder:
         policy = self._verify_policy(confidences)
         stats = getattr(self.cache, "stats", None)
         before = (stats["verify"].misses, stats["verify"].hits) if stats is not None else (0, 0)
+        ahead = getattr(self.cache, "prefetch_stats", None)
+        ahead_before = (ahead.used, ahead.waited_seconds) if ahead is not None else None
         tv = time.perf_counter()
         with phase_of(self.model, "verify"):
             logits, rec = self.model.forward(tokens, kv, start=P, policy=policy,
@@ -260,6 +270,9 @@ class SpeculativeDecoder:
             self.metrics.verify_samples.append((len(tokens), v.misses - before[0], v.hits - before[1], took))
             if self.live:
                 self.live.observe_verify(len(tokens), v.misses - before[0], v.hits - before[1], took)
+                if ahead_before is not None:
+                    self.live.observe_prefetch_wait(ahead.used - ahead_before[0],
+                                                    ahead.waited_seconds - ahead_before[1])
                 self.costs = self.live.current()
         best, offset = None, 0
         for b, d in enumerate(branches):
