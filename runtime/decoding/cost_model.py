@@ -31,10 +31,11 @@ class CostConstants:
     # fast tier, where prefetches land during the draft; live runs measure it
     t_exp_inflight: float = 0.0
 
-    def expert_cost(self, resident: bool, in_flight: bool = False) -> float:
-        if in_flight:
+    def expert_cost(self, where: str) -> float:
+        """``where``: "held", "in_flight" (a prefetch is reading it) or "missing"."""
+        if where == "in_flight":
             return self.t_exp_hit + self.t_exp_inflight
-        return self.t_exp_hit if resident else self.t_exp_miss
+        return self.t_exp_hit if where == "held" else self.t_exp_miss
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -37,11 +37,7 @@ def marginal_verification_cost(new_experts: set[Key], state, costs: CostConstant
     = E_i minus those S already brings). ``state(key)``: "held", "in_flight" (a prefetch is
     reading it) or "missing". A held expert costs compute only, one in flight also what
     verification still waits for it, a missing one its whole fetch."""
-    total = 0.0
-    for key in new_experts:
-        where = state(key)
-        total += costs.expert_cost(where == "held", where == "in_flight")
-    return total
+    return sum(costs.expert_cost(state(key)) for key in new_experts)
 
 
 @dataclass
