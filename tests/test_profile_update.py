@@ -62,6 +62,13 @@ def test_a_run_records_its_passes(setup):
     assert sum(p["n_resident"] for p in ar["ar"]) == phase["hits"] > 0
     spec = json.loads(logs["s2moe"].read_text())
     assert spec["verification"] and spec["draft"] and max(p["n_tokens"] for p in spec["verification"]) > 1
+    # as the profile's passes (prefetch off) see them: an expert a draft's prefetch read is no cold
+    # miss, so it is recorded as resident (its wait left out), or --update would price a miss low
+    cache = setup.runs["s2moe"]["offload"]["cache"]
+    used, verify = cache["prefetch"]["used"], cache["phases"]["verify"]
+    assert used > 0
+    assert sum(p["n_missing"] for p in spec["verification"]) == verify["misses"] - used
+    assert sum(p["n_resident"] for p in spec["verification"]) == verify["hits"] + used
     assert stat.S_IMODE(os.stat(logs["ar"]).st_mode) == 0o666 & ~_umask()
 
 
