@@ -90,9 +90,10 @@ def print_summary(records) -> None:
     for (budget, workload, name), rs in groups.items():
         x = [r.extra for r in rs]
         reuse = [e["reuse_ratio"] for e in x if e["reuse_ratio"] is not None]
-        each = ", ".join(f"{e['speedup_vs_ar']:.2f}" for e in x)
+        ups = [e["speedup_vs_ar"] for e in x if e["speedup_vs_ar"] is not None]  # none without an AR run
+        speedup = f"**{med(ups):.2f}×** ({', '.join(f'{u:.2f}' for u in ups)})" if ups else "-"
         print(f"| {budget} | {workload} | {name} | {med(e['decode_tokens_per_s_aggregate'] for e in x):.1f} | "
-              f"**{med(e['speedup_vs_ar'] for e in x):.2f}×** ({each}) | "
+              f"{speedup} | "
               f"{med(e['acceptance_length'] for e in x):.2f} | {f'{med(reuse):.3f}' if reuse else '-'} | "
               f"{med(e['bytes_fetched_per_token'] for e in x) / 1024:.0f} |")
     parts = ("draft_compute", "verify_compute", "other_compute", "fetch_critical", "fetch_hidden", "total")
@@ -101,6 +102,7 @@ def print_summary(records) -> None:
     for (budget, workload, name), rs in groups.items():
         print(f"| {budget} | {workload} | {name} | " +
               " | ".join(f"{med(r.extra['ms_per_token'][k] for r in rs):.1f}" for k in parts) + " |")
+
 
 if __name__ == "__main__":
     main()

@@ -4,19 +4,12 @@ A profile's T_AR, C_draft and T_exp are measured once; a device that warms up, t
 its disk drifts away from them within minutes. `LiveCosts` keeps running estimates from the passes
 the run actually makes:
 
-- verification passes, split in two parts the cache measures apart:
-  - the time the pass waited on reads for its cold misses (not read ahead by a prefetch): an
-    exponentially weighted mean per cold miss. Measured directly rather than regressed, because in
-    a run the miss count rises with the token count, and a fit on total pass time could not tell
-    them apart: on a 200 MB/s link it put 28 ms on each token and 11 ms on each miss, against
-    ~1.5 ms and 16 ms measured;
-  - the rest (compute): an exponentially weighted least-squares fit on (1, n_tokens, n_experts),
-    pulled toward the profile's coefficients by a prior worth ``prior_passes`` passes. An expert
-    read from the slow tier computes as a resident one does (its placement is in its wait), so
-    the fit has one expert coefficient, T_exp (hit), and a miss costs that plus its wait.
-  Weights halve every ``half_life`` passes. A change of regime (predictions off by more than 15 %
-  for 4 passes running, as when a disk slows down) forgets the old passes at once instead of
-  averaging them away slowly;
+- verification passes: an exponentially weighted least-squares fit of pass seconds on the profile's
+  features (1, n_tokens, n_missing, n_resident), pulled toward the profile's coefficients by a
+  prior worth ``prior_passes`` passes, so the estimate is defined from the first pass and moves as
+  evidence arrives (weight of a pass halves every ``half_life`` passes). A change of regime (the
+  predictions off by more than 15 % for 4 passes running, as when a disk slows down) forgets the
+  old passes at once instead of averaging them away slowly;
 - draft passes: an exponentially weighted mean of seconds per drafted token (C_draft);
 - single-token passes (AR steps, empty drafts): the same for T_AR;
 - prefetched experts a verification used: an exponentially weighted mean of how long it still
@@ -41,15 +34,10 @@ class _EwMean:
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.total, self.weight, self.n = 0.0, 0.0, 0
 
-    def observe(self, value: float, weight: float = 1.0) -> None:
-        """``value`` per unit, over ``weight`` units (a pass's wait per expert, over its experts)."""
-        self.total = self.total * self.decay + value * weight
-        self.weight = self.weight * self.decay + weight
+    def observe(self, value: float) -> None:
+        self.total = self.total * self.decay + value
+        self.weight = self.weight * self.decay + 1.0
         self.n += 1
-
-    def forget(self, keep: float) -> None:
-        self.total *= keep
-        self.weight *= keep
 
     @property
     def value(self) -> float:
@@ -63,51 +51,33 @@ class LiveCosts:
         self.prior = prior
         self.decay = 0.5 ** (1.0 / half_life)
         self.prior_passes = prior_passes
-        # a profile's miss is a hit's compute plus the wait for its read (profile passes read cold)
-        wait = max(prior.t_exp_miss - prior.t_exp_hit, 0.0)
-        self.theta0 = np.array([prior.t_base, prior.t_token, prior.t_exp_hit])
-        self.G = np.zeros((3, 3))
-        self.b = np.zeros(3)
-        self.scale = np.zeros(3)  # running mean of each feature's square: the prior's units
+        self.theta0 = np.array([prior.t_base, prior.t_token, prior.t_exp_miss, prior.t_exp_hit])
+        self.G = np.zeros((4, 4))
+        self.b = np.zeros(4)
+        self.scale = np.zeros(4)  # running mean of each feature's square: the prior's units
         self.passes = 0
         self.residual, self.off_run, self.restarts = 0.0, 0, 0
         self.t_ar = _EwMean(prior.t_ar, prior_passes, self.decay)
         self.c_draft = _EwMean(prior.c_draft, prior_passes, self.decay)
         self.inflight = _EwMean(prior.t_exp_inflight, prior_passes, self.decay)
-        self.miss_wait = _EwMean(wait, prior_passes, self.decay)
 
-    def observe_verify(self, n_tokens: int, n_missing: int, n_resident: int, seconds: float,
-                       waited: float, n_cold: int | None = None, prefetch_waited: float = 0.0) -> None:
-        """A verification pass of ``seconds`` that needed ``n_missing`` experts not in the cache
-        and ``n_resident`` that were. ``n_cold`` of the missing were not read ahead (all by
-        default) and the pass waited ``waited`` seconds on their reads; for the others, which a
-        prefetch was reading, it waited ``prefetch_waited``."""
-        if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(waited) and math.isfinite(prefetch_waited)):
+    def observe_verify(self, n_tokens: int, n_missing: int, n_resident: int, seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds <= 0:
             return
-        waited = min(max(waited, 0.0), seconds)
-        prefetch_waited = min(max(prefetch_waited, 0.0), seconds - waited)
-        n_cold = n_missing if n_cold is None else n_cold
-        a = np.array([1.0, n_tokens, n_missing + n_resident])
-        predicted = (float(a @ self._compute()) + n_cold * self.miss_wait.value
-                     + (n_missing - n_cold) * self.inflight.value)
+        a = np.array([1.0, n_tokens, n_missing, n_resident])
+        predicted = float(a @ self.coefficients())
         if predicted > 0:  # how far off the current constants are, smoothed over a few passes
             self.residual = 0.6 * self.residual + 0.4 * (seconds / predicted - 1.0)
             self.off_run = self.off_run + 1 if abs(self.residual) > self.SHIFT else 0
             if self.off_run >= self.RUN:  # the device changed: keep little of what it was
                 self.G *= 0.05
                 self.b *= 0.05
-                self.miss_wait.forget(0.05)
-                self.inflight.forget(0.05)
                 self.off_run, self.residual = 0, 0.0
                 self.restarts += 1
-        self.observe_prefetch_wait(n_missing - n_cold, prefetch_waited)
-        compute = seconds - waited - prefetch_waited
         self.G = self.G * self.decay + np.outer(a, a)
-        self.b = self.b * self.decay + a * compute
+        self.b = self.b * self.decay + a * seconds
         self.passes += 1
         self.scale += (a * a - self.scale) / self.passes
-        if n_cold > 0:
-            self.miss_wait.observe(waited / n_cold, n_cold)
         if n_tokens == 1:
             self.t_ar.observe(seconds)
 
@@ -122,20 +92,15 @@ class LiveCosts:
     def observe_prefetch_wait(self, used: int, waited_seconds: float) -> None:
         """A verification used ``used`` prefetched experts and waited ``waited_seconds`` for them."""
         if used > 0 and math.isfinite(waited_seconds) and waited_seconds >= 0:
-            self.inflight.observe(waited_seconds / used, used)
+            self.inflight.observe(waited_seconds / used)
 
-    def _compute(self) -> np.ndarray:
-        """(t_base, t_token, t_exp_hit) of a pass's compute: the ridge fit toward the profile's, ≥ 0."""
+    def coefficients(self) -> np.ndarray:
+        """(t_base, t_token, t_exp_miss, t_exp_hit): the ridge fit toward the profile's, ≥ 0."""
         if self.passes == 0:
             return self.theta0.copy()
         D = np.diag(self.prior_passes * np.maximum(self.scale, 1e-9))
         theta = np.linalg.solve(self.G + D, self.b + D @ self.theta0)
         return np.maximum(theta, 0.0)
-
-    def coefficients(self) -> np.ndarray:
-        """(t_base, t_token, t_exp_miss, t_exp_hit): a miss is a hit plus its measured wait."""
-        base, token, hit = self._compute()
-        return np.array([base, token, hit + self.miss_wait.value, hit])
 
     def current(self) -> CostConstants:
         base, token, miss, hit = (float(x) for x in self.coefficients())

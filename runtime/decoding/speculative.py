@@ -250,7 +250,7 @@ class SpeculativeDecoder:
         policy = self._verify_policy(confidences)
         stats = getattr(self.cache, "stats", None)
         v = stats["verify"] if stats is not None else None
-        before = (v.misses, v.hits, v.fetch_seconds) if v is not None else None
+        before = (v.misses, v.hits) if v is not None else None
         ahead = getattr(self.cache, "prefetch_stats", None)
         ahead_before = (ahead.used, ahead.waited_seconds) if ahead is not None else (0, 0.0)
         tv = time.perf_counter()
@@ -264,17 +264,16 @@ class SpeculativeDecoder:
         self.metrics.verify_seconds += took
         if before is not None:
             missing, resident = v.misses - before[0], v.hits - before[1]
-            # experts a prefetch was reading count as misses in the cache's stats; what the pass
-            # waited for them is measured apart from its wait on cold reads
+            # experts a prefetch was reading count as misses in the cache's stats
             used = ahead.used - ahead_before[0] if ahead is not None else 0
             pre_wait = ahead.waited_seconds - ahead_before[1] if ahead is not None else 0.0
-            cold_wait = max(v.fetch_seconds - before[2] - pre_wait, 0.0)
             # as a profile's passes (prefetch off) would see it: prefetched experts as resident,
             # their wait left out, so `profile --update` keeps a miss meaning a cold read
             self.metrics.verify_samples.append((len(tokens), missing - used, resident + used, took - pre_wait))
             if self.live:
-                self.live.observe_verify(len(tokens), missing, resident, took, cold_wait,
-                                         n_cold=missing - used, prefetch_waited=pre_wait)
+                self.live.observe_verify(len(tokens), missing, resident, took)
+                if ahead is not None:
+                    self.live.observe_prefetch_wait(used, pre_wait)
                 self.costs = self.live.current()
         best, offset = None, 0
         for b, d in enumerate(branches):
