@@ -348,6 +348,8 @@ def summary_table(profile: dict) -> Table:
         ("residency strategy", f"{h.get('strategy')} ({len(h.get('gpu_experts', []))} pinned)"),
         ("held-out hit rates", ", ".join(f"{k} {v:.1%}" for k, v in (h.get("heldout_hit_rates") or {}).items())),
     ]
+    for name, m in (h.get("pin_margins") or {}).items():  # pinned only when it wins by more than 2 SE
+        rows.append((f"{name} vs {m['over']}", f"{m['mean']:+.1%} ± {m['standard_error']:.1%} (pinned if > 2 SE)"))
     for row in rows:
         t.add_row(*row)
     return t

@@ -92,7 +92,8 @@ def test_hot_list_is_sized_for_the_capacity_run_plans(tmp_path):
     assert plan["kv_bytes"] // (prompt_tokens + 8 + 18) * (prompt_tokens + 8 + 18) == plan["kv_bytes"]
     assert 0 < plan["expert_capacity_bytes"] < plan["expert_total_bytes"]  # a budget that offloads
     assert data["budget"]["expert_capacity_bytes"] == plan["expert_capacity_bytes"]
-    assert 0 < hot_bytes(data) <= plan["expert_capacity_bytes"]
+    # the hot list fits (it may be empty: a list is pinned only where it clearly beats the LFU cache)
+    assert hot_bytes(data) <= plan["expert_capacity_bytes"]
 
 
 # -- item 7: validate checks the profile's model ---------------------------------------------------

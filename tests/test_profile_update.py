@@ -29,9 +29,11 @@ def setup(tmp_path_factory):
     r = calib("profile", "--device", "cpu", "--budget", "0.25", "--out", str(prof), *QUICK)
     assert r.returncode == 0, r.stderr
     logs, runs = {}, {}
-    for name, extra in (("ar", ("--method", "ar")), ("s2moe", ("--method", "s2moe", "--utility-threshold", "0"))):
+    # the drafting run makes fewer passes than tokens (8 passes for 40 tokens): 80 leave --update its 10
+    for name, n, extra in (("ar", "40", ("--method", "ar")),
+                           ("s2moe", "80", ("--method", "s2moe", "--utility-threshold", "0"))):
         logs[name] = d / f"{name}.passes.json"
-        r = s2moe("run", "--profile", str(prof), "-p", PROMPT, "-n", "40", "--ignore-eos", "--backend", "numpy",
+        r = s2moe("run", "--profile", str(prof), "-p", PROMPT, "-n", n, "--ignore-eos", "--backend", "numpy",
                   "--temperature", "0", "--record-passes", str(logs[name]), "--json", *extra)
         assert r.returncode == 0, r.stderr
         assert "timed passes written to" in r.stderr
