@@ -98,7 +98,7 @@ def _simulate_hits(trace: Trace, sizes: dict, capacity: int, policy: str, pinned
     return hits
 
 
-BLOCKS = 10  # held-out blocks for the paired comparison of a static list with a dynamic cache
+BLOCKS = 10  # held-out blocks for the paired comparison of a pinned list with the cache it must beat
 
 
 def paired_margin(a: np.ndarray, b: np.ndarray, looked: np.ndarray, blocks: int = BLOCKS) -> tuple[float, float]:

@@ -252,7 +252,7 @@ class SpeculativeDecoder:
         v = stats["verify"] if stats is not None else None
         before = (v.misses, v.hits) if v is not None else None
         ahead = getattr(self.cache, "prefetch_stats", None)
-        ahead_before = (ahead.used, ahead.waited_seconds) if ahead is not None else (0, 0.0)
+        ahead_before = (ahead.used, ahead.waited_seconds) if ahead is not None else None
         tv = time.perf_counter()
         with phase_of(self.model, "verify"):
             logits, rec = self.model.forward(tokens, kv, start=P, policy=policy,
@@ -265,15 +265,14 @@ class SpeculativeDecoder:
         if before is not None:
             missing, resident = v.misses - before[0], v.hits - before[1]
             # experts a prefetch was reading count as misses in the cache's stats
-            used = ahead.used - ahead_before[0] if ahead is not None else 0
-            pre_wait = ahead.waited_seconds - ahead_before[1] if ahead is not None else 0.0
+            used, pre_wait = ((ahead.used - ahead_before[0], ahead.waited_seconds - ahead_before[1])
+                              if ahead_before is not None else (0, 0.0))
             # as a profile's passes (prefetch off) would see it: prefetched experts as resident,
             # their wait left out, so `profile --update` keeps a miss meaning a cold read
             self.metrics.verify_samples.append((len(tokens), missing - used, resident + used, took - pre_wait))
             if self.live:
                 self.live.observe_verify(len(tokens), missing, resident, took)
-                if ahead is not None:
-                    self.live.observe_prefetch_wait(used, pre_wait)
+                self.live.observe_prefetch_wait(used, pre_wait)  # nothing to learn where none was used
                 self.costs = self.live.current()
         best, offset = None, 0
         for b, d in enumerate(branches):
