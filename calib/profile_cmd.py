@@ -77,6 +77,8 @@ def _resumable(samples_path: str, fresh: dict) -> dict:
     return old
 
 
+DECODE_PROMPTS = 16  # profiling prompts decoded for in-situ passes (32 tokens each, draft caps cycling)
+
 # Controlled passes pin down directions real decoding does not vary (no misses at a 100 % budget,
 # all misses in a 10 % one) but run under conditions decoding never has (no budget, every fetched
 # expert kept). How much they may pull the fit depends on the device: on the embedded model 0.1
@@ -144,8 +146,10 @@ def fit_details(model: VerificationCostModel, scored_on: str) -> dict:
 def run_profile(model_path: str, device: str, budget: str | None, workload: str | None, out: str,
                 draft_topk: int | None, samples_n: int, emulate_bandwidth: float | None, emulate_latency: float,
                 fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False,
-                rounds: int = replay_mod.DEFAULT_ROUNDS, backend="auto", context: int | None = None) -> dict:
+                rounds: int = replay_mod.DEFAULT_ROUNDS, backend="auto", context: int | None = None,
+                n_prompts: int = DECODE_PROMPTS) -> dict:
     """``backend``: a name for `profile_backend`, or a `Backend` (tests pass a CPU stand-in).
+    ``n_prompts``: profiling prompts decoded (32 tokens each) for the fit's in-situ passes.
     ``context``: prompt + generated tokens the runs will use; the KV reservation, the hot list and
     the decode passes are planned for it as `s2moe run` plans (see plan.py)."""
     from s2moe.runtime.offload.cache import ExpertCache
@@ -255,7 +259,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
             spec = {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k}
             placeholder = CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0)  # threshold 0: unused
             emu = {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
-            with decode_passes(loaded, profiling[:16] if in_situ is None else [], budget, pinned, spec, placeholder,
+            with decode_passes(loaded, profiling[:n_prompts] if in_situ is None else [], budget, pinned, spec, placeholder,
                                emu, 32, pool, progress, fetch_threads, arrays, tier,
                                kv_positions=kv_positions, batch=pass_batch) as decoded:
                 t = progress.add_task(f"replays ({rounds} rounds)", total=rounds * (len(controlled) + len(decoded)))
@@ -386,6 +390,7 @@ def profile(
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Profile path (default profiles/<detected device>-<model>.json)."),
     draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token to time C_draft with."),
     samples: int = typer.Option(150, "--samples", help="Timed verification passes for the cost fit (at least 10)."),
+    n_prompts: int = typer.Option(DECODE_PROMPTS, "--n-prompts", help="Profiling prompts decoded for the fit's in-situ verification passes, 32 tokens each (at least 1; validate decodes held-out ones)."),
     decode_tokens: int = typer.Option(24, "--decode-tokens", help="Decode steps per prompt for T_AR / C_draft (at least 4)."),
     backend: str = typer.Option("auto", "--backend", help="Backend to time: auto (NumPy for --device cpu, else CuPy when usable), numpy or cupy."),
     rounds: int = typer.Option(replay_mod.DEFAULT_ROUNDS, "--rounds",
@@ -402,7 +407,8 @@ def profile(
     with cli_errors():
         if update is not None or passes is not None:
             return update_command(update, passes, json_out)
-        check_counts(**{"--samples": (samples, 10), "--decode-tokens": (decode_tokens, 4), "--rounds": (rounds, 1),
+        check_counts(**{"--samples": (samples, 10), "--n-prompts": (n_prompts, 1),
+                        "--decode-tokens": (decode_tokens, 4), "--rounds": (rounds, 1),
                         "--fetch-threads": (fetch_threads, 1), "--ctx-size": (ctx_size, 2)})
         if draft_topk is not None:
             number("--draft-topk", draft_topk, low=1, integer=True)  # and at most top-k, once the model is read
@@ -418,7 +424,7 @@ def profile(
         try:
             data = run_profile(path, device, budget, workload, target, draft_topk, samples, emulate_bandwidth,
                                emulate_latency, fetch_threads, decode_tokens, resume=resume, rounds=rounds,
-                               backend=backend, context=ctx_size)
+                               backend=backend, context=ctx_size, n_prompts=n_prompts)
         except KeyboardInterrupt:
             samples_path = os.path.splitext(target)[0] + ".samples.json"
             say(f"interrupted: {target} is unchanged; samples so far are in {samples_path}; "

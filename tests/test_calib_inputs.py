@@ -15,7 +15,7 @@ from s2moe.runtime.profile import load_profile, save_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = os.path.join(ROOT, "profiles", "orin-16g.json")
-QUICK = ("--samples", "10", "--decode-tokens", "4", "--rounds", "1")  # a profile of the embedded model in ~20 s
+QUICK = ("--samples", "10", "--n-prompts", "4", "--decode-tokens", "4", "--rounds", "1")  # a profile of the embedded model in ~8 s
 # 77 tokens with the embedded model's tokenizer: prompt chunks of 64, as a long prompt has
 LONG_PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
                "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
@@ -228,6 +228,7 @@ def test_export_writes_no_file_unasked(tmp_path):
     (("probe", "--model", "/nonexistent"), "--model /nonexistent"),
     (("profile", "--device", "cpu", "--model", "/nonexistent"), "--model /nonexistent"),
     (("profile", "--device", "cpu", "--samples", "5"), "--samples"),
+    (("profile", "--device", "cpu", "--n-prompts", "0"), "--n-prompts"),
     (("profile", "--device", "cpu", "--ctx-size", "0"), "--ctx-size"),
     (("profile", "--device", "cpu", "--ctx-size", "999999"), "--ctx-size"),  # beyond the model's 2,048
     (("profile", "--device", "cpu", "--draft-topk", "99"), "--draft-topk"),  # the model's top-k is 4
@@ -298,7 +299,8 @@ def test_profile_times_c_draft_without_fetches(tmp_path):
     """Under a slow emulated tier an AR step waits on its misses; the run's draft (resident experts
     only) never does, so its C_draft must not either: timed with fetches it came out at half of T_AR."""
     out = tmp_path / "slow.json"
-    r = calib("profile", "--device", "cpu", "--budget", "0.25", "--emulate-bandwidth", "20", "--out", str(out), *QUICK)
+    r = calib("profile", "--device", "cpu", "--budget", "0.25", "--emulate-bandwidth", "20", "--out", str(out),
+              "--samples", "10", "--n-prompts", "1", "--decode-tokens", "4", "--rounds", "1")  # fit unused: one prompt
     assert r.returncode == 0, r.stderr
     c = load_profile(str(out)).data["cost_model"]
     assert c["c_draft_ms"] < 0.2 * c["t_ar_ms"], (c["c_draft_ms"], c["t_ar_ms"])
