@@ -228,3 +228,13 @@ def test_export_of_a_measured_profile_by_hand(tmp_path):
     assert line == ["--prune-tpot", "120.5", "--prune-eps", "8.25", "--prune-expert-bytes", "3.0",
                     "--prune-bandwidth", "4.0", "--draft-expert-topk", "2", "--moe-reuse-expert-cap", "16",
                     "--draft", "6"]
+
+
+def test_export_of_a_profile_whose_misses_cost_nothing(tmp_path):
+    """A fully resident profile can fit T_exp miss = 0 (the schema allows it): the export is a
+    bandwidth so large that MiB / bandwidth is 0 to the flag's precision, not a division error."""
+    from s2moe.calib.fit_export import llama_cpp_flags
+
+    flags = llama_cpp_flags(load_profile(_measured_profile_with(tmp_path, t_exp_miss_ms=0.0)).data)
+    assert flags["prune_expert_bytes"] == 3.0 and flags["prune_bandwidth"] >= 1e9
+    assert round(flags["prune_expert_bytes"] / flags["prune_bandwidth"], 6) == 0.0

@@ -59,6 +59,8 @@ def test_gguf_export_matches_safetensors(default, tmp_path):
 
     sampled = sampling_defaults(default, None, None, None, 0.0, 0)
     assert sampled.temperature > 0 and sampling_defaults(gguf, None, None, None, 0.0, 0) == sampled
+    # --seed 0 is a seed like any other; only -1 (llama.cpp's convention) or no flag draws a fresh one
+    assert sampled.seed == 0 and sampling_defaults(default, None, None, None, 0.0, -1).seed is None
     tok = load_tokenizer(default)
     assert load_tokenizer(gguf).encode("def f(x):\n    return x").ids == tok.encode("def f(x):\n    return x").ids
     a, b = MoEModel(default), MoEModel(gguf)

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from s2moe.runtime.engine import build_engine
@@ -51,6 +52,25 @@ def test_short_read_is_an_error_not_garbage(model_copy, monkeypatch, direct):
         monkeypatch.setattr(os, "pread", lambda fd, n, off: real(fd, n, off)[:100])
     with pytest.raises(ExpertReadError, match="short read"):
         generate_ar(engine.model, [1, 2, 3], 4)
+
+
+def test_an_aligned_read_one_byte_short_is_an_error(tmp_path, monkeypatch):
+    """An O_DIRECT read starts at the page boundary below the range, so it must return the alignment
+    head (here 100 bytes) plus the range: one byte fewer is short even though it exceeds the range."""
+    from s2moe.runtime.offload.reader import FileReader
+
+    path = tmp_path / "f.bin"
+    blob = np.random.default_rng(0).integers(0, 256, 3 * 4096, dtype=np.uint8).tobytes()
+    path.write_bytes(blob)
+    reader = FileReader(direct=True)
+    reader.fd(str(path))
+    reader.direct_files[str(path)] = True  # the aligned path, also where this file system refuses O_DIRECT
+    offset, nbytes = 4096 + 100, 5000
+    assert reader.read(str(path), offset, nbytes, "a range").tobytes() == blob[offset:offset + nbytes]
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: min(real(fd, bufs, off), 100 + nbytes - 1))
+    with pytest.raises(ExpertReadError, match="short read of a range"):
+        reader.read(str(path), offset, nbytes, "a range")
 
 
 def test_model_file_rewritten_in_place_is_detected(model_copy):

@@ -18,6 +18,7 @@ def test_draft_writes_stay_uncommitted_and_rollback_is_exact():
     assert kv.rollback(kv.length) == 3
     assert (kv.length, kv.filled) == (4, 4)
     assert kv.trim(2) == 2 and (kv.length, kv.filled) == (2, 2)
+    assert kv.trim(0) == 0 and kv.trim(2) == 2 and (kv.length, kv.filled) == (0, 0)  # the bounds: none, all
 
 
 @pytest.mark.parametrize("bad", [-1, 5])

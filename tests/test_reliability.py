@@ -59,6 +59,8 @@ SAFETENSORS_CASES = {
     # row: header claiming 10¹² bytes (refused before reading or allocating it)
     "huge header length": (b"{}", b"", 10**12, "header claims 1000000000000 bytes"),
     "header longer than the file": (b"{}", b"", 1000, "header claims 1000 bytes"),
+    # the 8 length bytes count too: a 2-byte header claimed as 5 in a 10-byte file runs 3 bytes past it
+    "header past the end by less than 8": (b"{}", b"", 5, "header claims 5 bytes, file has 10"),
     "header not an object": (b"[1, 2]", b"", None, "safetensors header is not a JSON object"),
     # row: nested-JSON bomb (the parser's recursion limit becomes our error, not a crash)
     "nested JSON bomb": (b"[" * 200_000 + b"]" * 200_000, b"", None, "header is not valid JSON"),
@@ -251,6 +253,26 @@ def test_the_unmodified_gguf_loads(tiny_gguf, tmp_path):
     assert json.loads(stdout)["architecture"] == "olmoe"
 
 
+def test_a_gguf_whose_tensor_table_is_not_in_offset_order_loads(tiny_gguf, tmp_path):
+    """GGUF does not require the tensor table in offset order: two neighbours of the same size with
+    their offsets swapped are a valid file (their weights trade places), not an overlap."""
+    from gguf import GGUFReader
+
+    src = tmp_path / "src.gguf"
+    src.write_bytes(tiny_gguf)
+    table = [(t.name, int(t.n_bytes)) for t in GGUFReader(str(src)).tensors]
+    a, b = next((x[0], y[0]) for x, y in zip(table, table[1:]) if x[1] == y[1])
+    fields = gguf_layout(tiny_gguf)["tensors"]
+    data = bytearray(tiny_gguf)
+    (oa, ob) = fields[a][1], fields[b][1]
+    data[oa:oa + 8], data[ob:ob + 8] = tiny_gguf[ob:ob + 8], tiny_gguf[oa:oa + 8]
+    path = tmp_path / "swapped.gguf"
+    path.write_bytes(bytes(data))
+    assert load_model(str(path)).experts  # parsed: no overlap reported
+    code, stdout, stderr = s2moe("info", "--model", path, "--json")
+    assert code == 0, stderr
+
+
 # -- O_DIRECT refused -----------------------------------------------------------------------------
 @pytest.mark.parametrize("run", ["first", "again"])  # "again": the note is not lost to the previous test
 def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so_once(tiny_model_dirs, monkeypatch, capsys, run):
@@ -367,6 +389,31 @@ def test_fingerprint_tells_models_apart(tiny_model_dirs, tmp_path):
     mine = model_fingerprint(load_model(folder))
     assert model_fingerprint(load_model(str(copy))) == mine
     assert model_fingerprint(load_model(other)) != mine
+
+
+def test_fingerprint_samples_past_the_first_mib_of_a_large_file(tmp_path):
+    """Multi-GB files are sampled (the first MiB, then 64 KiB every 64 MiB), not hashed whole: two
+    sparse 130 MiB files that differ only at 64 MiB + 10 bytes must get different fingerprints.
+    (The suite's models are all under 64 MiB, where only the first MiB is read.)"""
+    from types import SimpleNamespace
+
+    from s2moe.runtime.profile import model_fingerprint
+
+    def fake_model(name: str, poke: int | None):
+        path = tmp_path / name
+        with open(path, "wb") as f:
+            f.truncate(130 << 20)
+            if poke is not None:
+                f.seek(poke)
+                f.write(b"\x01")
+        ref = SimpleNamespace(path=str(path), name="blk.0.ffn_up_exps.weight", dtype="F16", shape=(2,), nbytes=4)
+        return SimpleNamespace(config=SimpleNamespace(to_dict=lambda: {"arch": "test"}),
+                               experts={(0, 0): SimpleNamespace(refs=[ref])})
+
+    base = model_fingerprint(fake_model("a.gguf", None))
+    assert model_fingerprint(fake_model("b.gguf", None)) == base  # same bytes, another name: same model
+    assert model_fingerprint(fake_model("c.gguf", (64 << 20) + 10)) != base
+    assert model_fingerprint(fake_model("d.gguf", (128 << 20) + 10)) != base
 
 
 def test_profile_for_another_model_is_refused_when_it_says_so(tiny_model_dirs, tmp_path):

@@ -49,6 +49,21 @@ def test_truncations_combine_and_keep_ties():
                                [.5, .25, .25, 0, 0])
 
 
+def test_large_logits_at_low_temperature_stay_finite():
+    # logits / T of 800 overflow exp() unless the maximum is subtracted first (real models at
+    # T = 0.05 reach such values); the result must be the exact law, not NaN
+    logits = np.array([40.0, 39.9, 0.0])
+    p = probabilities(logits, SamplingParams(temperature=0.05))
+    e = np.exp(np.array([0.0, -2.0, -800.0]))
+    np.testing.assert_allclose(p, e / e.sum(), rtol=1e-12)
+
+
+def test_top_k_one_is_argmax_sampling():
+    logits = np.log(np.array([0.3, 0.5, 0.2]))
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=1))
+    np.testing.assert_array_equal(p, [0, 1, 0])
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(min_p=1.0), dict(top_k=-1)])
 def test_bad_params_raise_usage_error(kw):
     with pytest.raises(UsageError):

@@ -105,6 +105,15 @@ def test_streamed_chat_completion(client):
     assert text == whole.choices[0].message.content and text  # streaming and not: the same greedy text
 
 
+def test_a_requests_seed_makes_sampling_reproducible(client):
+    def sampled(seed):
+        return client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    assert sampled(0) == sampled(0) and sampled(5) == sampled(5)
+    assert len({sampled(s) for s in range(4)}) >= 3  # the seed is used, not ignored
+
+
 def test_stop_sequence_cuts_the_text(client):
     full = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     stop = full[5:9]

@@ -195,6 +195,28 @@ def test_a_profiles_hot_list_is_trimmed_when_a_longer_context_leaves_less_room(t
     assert len(note) == 1 and "of 120 hot experts" in note[0] and "budget.spec" in note[0]
 
 
+def test_a_users_hot_list_wins_over_the_profiles(tmp_path):
+    """--hot-experts with a profile of the same model: the user's list is pinned as given (not
+    replaced by the profile's, nor trimmed); without the flag the profile's list is used and trimmed."""
+    from s2moe.runtime.cli.spec_options import apply_profile
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.profile import model_fingerprint
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    loaded = load_model(str(DEFAULT_MODEL))
+    data = json.load(open(os.path.join(root, "profiles", "orin-16g.json")))
+    data.pop("published")
+    data.update(source="measured", budget={"spec": "36m"}, hot_experts={"gpu_experts": [[0, 5], [1, 6]]})
+    data["model"]["fingerprint"] = model_fingerprint(loaded)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    mine = [(2, 3)]
+    chosen = apply_profile(str(path), loaded, None, mine)
+    assert chosen.hot_experts == mine and not chosen.trim_hot and chosen.budget == "36m"
+    chosen = apply_profile(str(path), loaded, None, None)
+    assert sorted(map(tuple, chosen.hot_experts)) == [(0, 5), (1, 6)] and chosen.trim_hot
+
+
 def test_calib_version():
     from importlib.metadata import version
 
