@@ -88,3 +88,7 @@ def test_ae_backs_off_after_drafts_that_admit_nothing():
     off = SpeculativeDecoder(model, get_method("ca+ae"), SpecSettings(draft_topk=1, draft_cap=4, backoff=False), costs)
     off.generate([START], 20)
     assert (off.metrics.empty_drafts, off.metrics.backoff_steps) == (19, 0)
+    # the waits double up to 16, not further: 52 decode tokens are D B D B2 D B4 D B8 D B16 D B16 (cut)
+    long = SpeculativeDecoder(model, get_method("ca+ae"), SpecSettings(draft_topk=1, draft_cap=4), costs)
+    assert len(long.generate([START], 53).tokens) == 53
+    assert (long.metrics.empty_drafts, long.metrics.backoff_steps) == (6, 46)

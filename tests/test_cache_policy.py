@@ -40,6 +40,19 @@ def test_lfu_decay_by_hand():
     assert lfu.admit(C, A) and not lfu.admit(C, B)
 
 
+def test_lfu_default_half_life_is_512_accesses():
+    """The default (the cache's LFU): A used at clock 1 and 2, then 300 other accesses, then B once.
+    With a half-life of 512, A keeps 0.5^(301/512) + 0.5^(300/512) ≈ 1.33 > B's 1: B is the victim.
+    A half-life of 64 would leave A ≈ 0.08 and evict it."""
+    lfu = DecayedLFU()
+    _miss(lfu, A)
+    lfu.touch(A)
+    for _ in range(300):
+        lfu.access((1, 7))
+    _miss(lfu, B)
+    assert lfu.victim(set()) == B
+
+
 def test_lfu_counts_survive_eviction_and_ties_go_to_the_least_recent():
     lfu = DecayedLFU(half_life=1e9)  # no decay to speak of: plain counts
     _miss(lfu, A)

@@ -238,3 +238,21 @@ def test_export_of_a_profile_whose_misses_cost_nothing(tmp_path):
     flags = llama_cpp_flags(load_profile(_measured_profile_with(tmp_path, t_exp_miss_ms=0.0)).data)
     assert flags["prune_expert_bytes"] == 3.0 and flags["prune_bandwidth"] >= 1e9
     assert round(flags["prune_expert_bytes"] / flags["prune_bandwidth"], 6) == 0.0
+
+
+def test_export_keeps_the_flags_precision(tmp_path):
+    from s2moe.calib.fit_export import llama_cpp_flags
+
+    data = load_profile(_measured_profile_with(tmp_path, t_ar_ms=1.234567, c_draft_ms=0.123456)).data
+    flags = llama_cpp_flags(data)
+    assert (flags["prune_tpot"], flags["prune_eps"]) == (1.2346, 0.1235)  # ms to 4 places: 0.1 µs
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_profile_number_names_its_field(tmp_path, value):
+    data = _measured_like(tmp_path)
+    data["cost_model"]["c_draft_ms"] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))  # NaN / Infinity: the bare tokens Python's json writes and reads
+    with pytest.raises(ProfileError, match="cost_model.c_draft_ms"):
+        load_profile(str(path))

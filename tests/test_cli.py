@@ -157,6 +157,20 @@ def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
     assert (tmp_path / "b.csv").read_text().count("\n") == 4
 
 
+def test_a_sampled_bench_is_reproducible_with_its_seed(tiny_model_dirs, tmp_path):
+    _, folder, _ = tiny_model_dirs["olmoe"]
+    workload = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
+
+    def outcome(i):
+        out = tmp_path / f"b{i}.json"
+        r = s2moe("bench", "-m", folder, "-w", workload, "--methods", "ca", "--budget", "0.5", "--n-prompts", "3",
+                  "--max-tokens", "12", "--temperature", "0.9", "--seed", "3", "--json", str(out))
+        assert r.returncode == 0, r.stderr
+        return [(rec["acceptance_length"], rec["bytes_fetched_per_token"]) for rec in json.loads(out.read_text())["records"]]
+
+    assert outcome(0) == outcome(1)  # the tokens (hence acceptance and fetched bytes) are the seed's
+
+
 def test_runtime_never_imports_torch_or_transformers():
     code = ("import sys\nfrom s2moe.runtime.cli import app\nimport s2moe.calib.cli\n"
             "from typer.testing import CliRunner\n"

@@ -64,3 +64,18 @@ def test_draft_guided_prefetch_serves_verification_and_keeps_ar_output():
 
 def test_no_prefetch_when_every_expert_is_resident():
     assert build_engine(str(DEFAULT_MODEL), None, 64).cache.prefetch_slots == 0
+
+
+def test_prefetch_stays_within_its_slots_and_marks_only_its_own_layer_available():
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 256)
+    cache, E = engine.cache, engine.loaded.config.num_experts
+    slots = cache.prefetch_slots
+    assert slots > 0 and not cache.held  # nothing resident yet: every key below starts a read
+    keys = [(1, e) for e in range(slots + 3)]
+    assert cache.prefetch(keys) == slots and cache.prefetching == slots
+    assert cache.prefetch([(2, 0)]) == 0  # full until the pass they were for settles them
+    assert set(np.nonzero(cache.available_mask(1, E))[0]) == set(range(slots))
+    assert not cache.available_mask(0, E).any() and not cache.available_mask(2, E).any()
+    cache.settle_prefetches()
+    assert cache.prefetching == 0 and cache.resident_bytes <= cache.capacity
+    engine.close()

@@ -76,3 +76,15 @@ def test_keep_moves_an_accepted_branch_into_place():
         np.testing.assert_array_equal(values[0, :, 0], -np.array([0, 1, 2, 3, 6, 7], dtype=np.float32))
     with pytest.raises(KVCacheError):
         kv.keep([4, 3], 3)  # a slot may only move backwards
+
+
+def test_commit_never_moves_backwards_and_keep_takes_only_written_slots():
+    kv = make()
+    kv.begin_write(0, 4)
+    kv.commit(4)
+    with pytest.raises(KVCacheError):
+        kv.commit(2)  # committed KV is final; rolling back is rollback()'s job
+    assert (kv.length, kv.filled) == (4, 4)
+    kv.begin_write(4, 2)  # slots 4, 5 written; slot 6 never was
+    with pytest.raises(KVCacheError):
+        kv.keep([5, 6], 4)

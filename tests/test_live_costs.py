@@ -106,3 +106,18 @@ def test_live_in_flight_cost_is_what_verification_waited_for_prefetches():
     stats = engine.cache.prefetch_stats
     assert stats.used > 0 and decoder.live.inflight.n > 0
     assert decoder.costs.t_exp_inflight > 0.2 * miss, (decoder.costs.t_exp_inflight, miss, stats.to_dict())
+
+
+def test_the_start_up_estimate_prices_a_miss_at_one_expert_read():
+    """Without a profile, `run` starts from estimated constants: a miss is a hit plus one expert's
+    read (several read together, divided by their count). Under a 20 MB/s emulated link one read
+    of a 168 KiB expert takes 8.6 ms; load only adds to it (hence the wider upper bound), and the
+    bounds are far from the 4× a read priced per batch of four would give."""
+    from s2moe.runtime.decoding.estimate import estimate_costs
+    from s2moe.runtime.model.routing import RoutingPolicy
+
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 64, emulate_bandwidth=20.0)
+    read = engine.cache.store.stored_bytes(0, 0) / 20e6
+    costs = estimate_costs(engine.model, [5, 99, 1000, 42], RoutingPolicy(top_k=2))
+    assert 0.7 < (costs.t_exp_miss - costs.t_exp_hit) / read < 1.6, (costs, read)
+    engine.close()

@@ -273,6 +273,33 @@ def test_a_gguf_whose_tensor_table_is_not_in_offset_order_loads(tiny_gguf, tmp_p
     assert code == 0, stderr
 
 
+def test_a_version_2_gguf_loads(tiny_gguf, tmp_path):
+    data = bytearray(tiny_gguf)
+    data[4:8] = struct.pack("<I", 2)  # v2 and v3 share this layout (64-bit counts and lengths)
+    path = tmp_path / "v2.gguf"
+    path.write_bytes(bytes(data))
+    assert load_model(str(path)).experts
+
+
+def test_a_gguf_header_larger_than_the_first_mib_read_is_parsed_whole(tmp_path):
+    """The header is read 1 MiB at first and grown on demand: a 128k-token vocabulary makes
+    headers of several MiB."""
+    import gguf
+
+    from s2moe.runtime.model.formats.gguf_index import GGUFIndex
+
+    path = tmp_path / "big-header.gguf"
+    w = gguf.GGUFWriter(str(path), "olmoe")
+    w.add_string("general.description", "x" * (3 << 20))  # 3 MiB of metadata before the tensor table
+    w.add_tensor("blk.0.t.weight", np.arange(32, dtype=np.float32).reshape(4, 8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    idx = GGUFIndex(str(path))
+    assert len(idx.metadata["general.description"]) == 3 << 20 and set(idx.tensors) == {"blk.0.t.weight"}
+
+
 # -- O_DIRECT refused -----------------------------------------------------------------------------
 @pytest.mark.parametrize("run", ["first", "again"])  # "again": the note is not lost to the previous test
 def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so_once(tiny_model_dirs, monkeypatch, capsys, run):

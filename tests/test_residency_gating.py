@@ -52,3 +52,61 @@ def test_ae_prices_the_experts_gating_will_pull_toward_the_batch():
     plain = SpeculativeDecoder(_Model, get_method("ca+ae"), SpecSettings(), costs)
     assert gated._predicted_experts(record, 0, batch) - batch == {(0, 0)}
     assert plain._predicted_experts(record, 0, batch) - batch == {(0, 0), (0, 1)}
+
+
+class _OneLayerModel:
+    class config:
+        num_experts = 8
+        top_k = 2
+
+    experts = None
+
+
+def _record(logits, layer=0):
+    top = np.argsort(-logits, -1, kind="stable")[:, :2]
+    return RoutingRecord({layer: LayerRouting(logits, top, np.ones((1, 2), np.float32))})
+
+
+def test_ae_prediction_raises_by_the_gap_to_the_k_plus_first_logit():
+    """Top-2 {0: 3.0, 1: 2.5}, expert 5 at 1.9 in the batch: gating raises it by 3.0 − 1.9 (the
+    top-1 − (k+1)-th gap) to 3.0, past expert 1; a top-1 − k-th gap (0.5) would leave it at 2.4."""
+    logits = np.array([[3.0, 2.5, -5, -5, -5, 1.9, -5, -5]], np.float32)
+    gated = SpeculativeDecoder(_OneLayerModel, get_method("s2moe"), SpecSettings(), CostConstants(1, 1, 1, 1))
+    assert gated._predicted_experts(_record(logits), 0, {(0, 5)}) - {(0, 5)} == {(0, 0)}
+
+
+def test_ae_prediction_favours_only_the_batchs_experts_of_the_same_layer():
+    logits = np.array([[3.0, 2.0, -5, -5, -5, 1.9, -5, -5]], np.float32)
+    gated = SpeculativeDecoder(_OneLayerModel, get_method("s2moe"), SpecSettings(), CostConstants(1, 1, 1, 1))
+    assert gated._predicted_experts(_record(logits), 0, {(1, 5)}) == {(0, 0), (0, 1)}  # expert 5 of layer 1
+
+
+def test_a_reuse_cap_below_k_still_prefers_k_experts():
+    logits = np.array([[3, 2, 1, 0, -1, -2], [0, 3, 2, 1, -1, -2], [-2, -1, 0, 1, 2, 4]], np.float64)
+    bias = ReuseGating(top_k=2, cap=1, confidences=np.array([1.0, 0.5, 0.25])).bias(0, logits)
+    assert set(np.nonzero(bias[0])[0]) == {0, 1}  # E* is the top max(cap, k) = 2 of the importance
+
+
+def test_resident_variant_without_a_bonus_weighs_tokens_by_draft_confidence_as_the_paper_does():
+    logits = np.array([[3, 2, 1, 0, -1, -2], [0, 3, 2, 1, -1, -2], [-2, -1, 0, 1, 2, 4]], np.float64)
+    conf = np.array([1.0, 0.5, 0.25])
+    paper = ReuseGating(2, 3, "paper", 1.0, conf).bias(0, logits)
+    resident = ReuseGating(2, 3, "resident", 1.0, conf, residency=0.0,
+                           available=lambda L: np.zeros(6, bool)).bias(0, logits)
+    np.testing.assert_array_equal(resident, paper)
+    assert set(np.nonzero(paper[0])[0]) == {0, 1, 2}  # by confidence; by router peakedness it is {1, 2, 3}
+
+
+def test_the_decoder_prices_an_expert_being_prefetched_as_in_flight():
+    class _Cache:
+        def contains(self, layer, expert):
+            return (layer, expert) == (0, 1)
+
+        def in_flight(self, key):
+            return key == (0, 5)
+
+    class _Model(_OneLayerModel):
+        experts = _Cache()
+
+    dec = SpeculativeDecoder(_Model, get_method("ca+ae"), SpecSettings(), CostConstants(1, 1, 1, 1))
+    assert [dec._state(k) for k in [(0, 1), (0, 5), (0, 2)]] == ["held", "in_flight", "missing"]

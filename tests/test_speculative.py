@@ -57,6 +57,8 @@ def test_greedy_methods_equal_ar(tiny_model_dirs, family, budget):
 def test_no_share_kv_ablation_is_lossless(tiny_model_dirs):
     engine = build_engine(tiny_model_dirs["qwen3_moe"][1], "0.25")
     spec = get_method("ca+ae", share_kv=False)
+    # the flag really changes the method both ways (lossless either way, so output cannot show it)
+    assert not spec.share_kv and get_method("es", share_kv=True).share_kv and not get_method("es").share_kv
     dec = SpeculativeDecoder(engine.model, spec, SpecSettings(draft_topk=1, draft_cap=4), EAGER)
     for p in _prompts(6, seed=3):
         assert dec.generate(p, 20).tokens == generate_ar(engine.model, p, 20).tokens
