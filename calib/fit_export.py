@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from s2moe.runtime import jsonfile
 from s2moe.runtime.checks import number
 from s2moe.runtime.cli.common import print_json, say
 from s2moe.runtime.cli.errors import cli_errors
@@ -30,7 +31,7 @@ def fit(
 
         try:
             with open(samples_path) as f:
-                data = json.load(f)
+                data = jsonfile.load(f)
             controlled, decode = data["verification"], data.get("decode_verification") or []
         except FileNotFoundError:
             raise UsageError(f"{samples_path}: samples file not found") from None

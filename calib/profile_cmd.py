@@ -21,6 +21,7 @@ from rich.table import Table
 
 from s2moe import __version__
 from s2moe.runtime.cli.common import err, print_json, resolve_model, say
+from s2moe.runtime import jsonfile
 from s2moe.runtime.checks import number
 from s2moe.runtime.cli.errors import cli_errors
 from s2moe.runtime.cli.spec_options import default_draft_topk
@@ -62,11 +63,9 @@ def _progress():
 
 def _resumable(samples_path: str, fresh: dict) -> dict:
     """Samples of an interrupted run, if they were taken under the same conditions."""
-    import json
-
     try:
         with open(samples_path) as f:
-            old = json.load(f)
+            old = jsonfile.load(f)
     except (OSError, ValueError):
         raise UsageError(f"{samples_path}: nothing to resume (no readable samples file); run without --resume") from None
     same = all(old.get(k) == v for k, v in fresh.items())

@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from s2moe.runtime import jsonfile
 from s2moe.runtime.decoding.cost_model import FEATURES
 
 MIN_PASSES = 10  # below this a refit is noise; say how to get more
@@ -53,7 +54,7 @@ def _controlled_samples(prof) -> list[dict]:
     path = os.path.join(os.path.dirname(os.path.abspath(prof.path)), name)
     try:
         with open(path) as f:
-            data = json.load(f)
+            data = jsonfile.load(f)
         controlled = data["verification"]
     except (OSError, ValueError, KeyError, TypeError):
         return []

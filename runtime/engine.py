@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -11,6 +10,7 @@ from .offload.memory import Budget, MemoryPlan, fmt_bytes, measured_peak, plan_m
 from .kernels.backend import NUMPY, Backend
 from .offload.cache import DEFAULT_POLICY, ExpertCache
 from .checks import expert_pairs, number
+from . import jsonfile
 from .errors import UsageError
 from .model.loader import LoadedModel, load_model
 from .model.forward import MoEModel
@@ -58,7 +58,7 @@ def read_hot_experts(path: str, loaded: LoadedModel) -> list[tuple[int, int]]:
     """The published format ``{"gpu_experts": [[layer, expert], ...]}``, checked against the model."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            data = jsonfile.load(f)
     except FileNotFoundError:
         raise UsageError(f"{path}: hot-experts file not found") from None
     except (ValueError, UnicodeDecodeError):

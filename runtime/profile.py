@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from .decoding.cost_model import CostConstants
+from . import jsonfile
 from .errors import S2MoEError
 from .schema_check import SchemaViolation, check
 
@@ -157,7 +158,7 @@ def validate(data, where: str) -> None:
 def load_profile(path: str) -> Profile:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = jsonfile.load(f)
     except FileNotFoundError:
         raise ProfileError(f"{path}: profile not found; create one with s2moe-calib profile") from None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import jsonfile
 from .errors import UsageError
 
 ASSET_PROMPTS = Path(__file__).resolve().parent / "assets" / "prompts" / "default.jsonl"
@@ -38,7 +39,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
         line = line.strip()
         while pos < len(line):
             try:
-                obj, end = decoder.raw_decode(line, pos)
+                obj, end = jsonfile.raw_decode(decoder, line, pos)
             except json.JSONDecodeError as exc:
                 raise UsageError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict):

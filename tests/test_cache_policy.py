@@ -53,6 +53,18 @@ def test_lfu_default_half_life_is_512_accesses():
     assert lfu.victim(set()) == B
 
 
+def test_lfu_dates_a_kept_expert_by_its_last_use_not_its_insertion():
+    """One pass misses a then b (both accessed, then both kept): same count, a used earlier, so a
+    is the victim whatever the keys' order."""
+    lfu = DecayedLFU(half_life=2.0)
+    a, b = (0, 3), (0, 1)
+    lfu.access(a)
+    lfu.access(b)
+    lfu.insert(a)
+    lfu.insert(b)
+    assert lfu.victim(set()) == a
+
+
 def test_lfu_counts_survive_eviction_and_ties_go_to_the_least_recent():
     lfu = DecayedLFU(half_life=1e9)  # no decay to speak of: plain counts
     _miss(lfu, A)

@@ -256,3 +256,13 @@ def test_a_non_finite_profile_number_names_its_field(tmp_path, value):
     path.write_text(json.dumps(data))  # NaN / Infinity: the bare tokens Python's json writes and reads
     with pytest.raises(ProfileError, match="cost_model.c_draft_ms"):
         load_profile(str(path))
+
+
+def test_export_keeps_the_hot_lists_rank_order(tmp_path):
+    path = _measured_profile_with(tmp_path)
+    data = load_profile(path).data
+    data["hot_experts"] = {"gpu_experts": [[1, 5], [0, 3], [1, 0]]}  # most used first
+    save_profile(path, data)
+    hot = tmp_path / "hot.json"
+    assert calib("export", "--profile", path, "--hot-out", str(hot)).returncode == 0
+    assert json.loads(hot.read_text()) == {"gpu_experts": [[1, 5], [0, 3], [1, 0]]}

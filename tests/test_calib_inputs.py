@@ -304,3 +304,20 @@ def test_profile_times_c_draft_without_fetches(tmp_path):
     assert r.returncode == 0, r.stderr
     c = load_profile(str(out)).data["cost_model"]
     assert c["c_draft_ms"] < 0.2 * c["t_ar_ms"], (c["c_draft_ms"], c["t_ar_ms"])
+
+
+def test_fit_matches_older_samples_by_the_model_they_name(tmp_path):
+    """Samples files from before fingerprints were recorded: fit fingerprints the model they name."""
+    from s2moe.runtime.cli.common import resolve_model
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.profile import model_fingerprint
+
+    model = resolve_model(None)
+    data = json.loads(open(PRESET).read())
+    data["model"]["fingerprint"] = model_fingerprint(load_model(model, dense=False))
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(data))
+    samples = tmp_path / "old.samples.json"
+    samples.write_text(json.dumps(_samples(None, "orin", model=model)))  # no fingerprint field
+    r = calib("fit", str(samples), "--profile", str(prof))
+    assert r.returncode == 0, r.stderr

@@ -109,3 +109,13 @@ def test_a_smaller_budget_than_the_profiles_pins_the_head_of_its_hot_list(trace,
     assert len(note) == 1 and "of the profile's 96 hot experts" in note[0]
     kept = int(note[0].split("the first ")[1].split(" ")[0])
     assert 0 < kept < 96
+
+
+def test_a_profile_of_another_model_lends_no_hot_list_to_the_replay(trace, tmp_path):
+    path = _profile(tmp_path, "0.25")
+    data = json.loads(open(path).read())
+    data["hot_experts"] = {"gpu_experts": [[0, 1], [1, 2]]}  # orin's fingerprint: not the traced model
+    open(path, "w").write(json.dumps(data))
+    r = cli("s2moe.calib", "predict", "--trace", str(trace), "--profile", path, "--json")
+    assert r.returncode == 0, r.stderr
+    assert "its hot list is not pinned in the replay" in " ".join(r.stderr.split())

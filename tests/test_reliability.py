@@ -100,6 +100,21 @@ def test_hostile_safetensors_header_is_one_line_exit_2(tiny_model_dirs, tmp_path
     assert peak < 16 << 20, peak
 
 
+def test_a_header_over_the_limit_is_refused_unread(tiny_model_dirs, tmp_path):
+    """The spec's 100 MiB header limit holds even in a file long enough for the claim."""
+    folder = _safetensors_folder(tiny_model_dirs, tmp_path, b"{}", length=(100 << 20) + 1)
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.truncate(101 << 20)  # sparse: long enough to hold what the header claims
+    tracemalloc.start()
+    try:
+        with pytest.raises(S2MoEError, match="header claims 104857601 bytes"):
+            load_model(str(folder))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
 def _sharded(tiny_model_dirs, tmp_path, weight_map) -> str:
     src = tiny_model_dirs["olmoe"][1]
     folder = tmp_path / "sharded"
@@ -300,6 +315,29 @@ def test_a_gguf_header_larger_than_the_first_mib_read_is_parsed_whole(tmp_path):
     assert len(idx.metadata["general.description"]) == 3 << 20 and set(idx.tensors) == {"blk.0.t.weight"}
 
 
+def test_deeply_nested_gguf_arrays_are_refused_not_recursed(tmp_path):
+    from s2moe.runtime.model.formats.gguf_index import GGUFIndex
+
+    body = struct.pack("<Q", 1) + b"a" + struct.pack("<I", 9)  # one key, "a": an array ...
+    body += struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0)  # ... of arrays, 5,000 deep
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
+    with pytest.raises(S2MoEError):
+        GGUFIndex(str(path))
+
+
+@pytest.mark.parametrize("alignment", [0, 48])
+def test_a_gguf_alignment_that_is_not_a_power_of_two_is_one_line(tiny_gguf, tmp_path, alignment):
+    data = bytearray(tiny_gguf)
+    at = gguf_layout(tiny_gguf)["keys"]["general.alignment"] + 8 + len("general.alignment")
+    assert struct.unpack_from("<I", data, at)[0] == 4  # a uint32 value follows
+    data[at + 4:at + 8] = struct.pack("<I", alignment)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(bytes(data))
+    code, _, stderr = s2moe("info", "--model", path)
+    one_line_error(code, stderr, "general.alignment", "not a power of two", "bad.gguf")
+
+
 # -- O_DIRECT refused -----------------------------------------------------------------------------
 @pytest.mark.parametrize("run", ["first", "again"])  # "again": the note is not lost to the previous test
 def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so_once(tiny_model_dirs, monkeypatch, capsys, run):
@@ -441,6 +479,40 @@ def test_fingerprint_samples_past_the_first_mib_of_a_large_file(tmp_path):
     assert model_fingerprint(fake_model("b.gguf", None)) == base  # same bytes, another name: same model
     assert model_fingerprint(fake_model("c.gguf", (64 << 20) + 10)) != base
     assert model_fingerprint(fake_model("d.gguf", (128 << 20) + 10)) != base
+
+
+def test_a_profile_without_a_policy_for_another_model_only_warns(tiny_model_dirs, tmp_path):
+    path = _profile(tmp_path)
+    data = json.loads(open(path).read())
+    del data["model"]["fingerprint_policy"]  # older profiles: warn, as documented
+    open(path, "w").write(json.dumps(data))
+    code, stats, stderr = _run_with_profile(tiny_model_dirs["olmoe"][1], path)
+    assert code == 0, stderr
+    assert stderr.count("was made for OLMoE-1B-7B, not this model") == 1 and stats["offload"]["cache"]["pinned"] == 0
+
+
+def test_a_sharded_models_fingerprint_does_not_depend_on_the_process(tiny_model_dirs, tmp_path):
+    """Shards hashed in name order: a profile made by one process matches the model in the next
+    (a set's order changes with PYTHONHASHSEED)."""
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = shutil.copytree(tiny_model_dirs["olmoe"][1], tmp_path / "sharded")
+    tensors = load_file(str(folder / "model.safetensors"))
+    os.remove(folder / "model.safetensors")
+    names, weight_map = sorted(tensors), {}
+    for i in range(4):
+        shard = f"model-0000{i + 1}-of-00004.safetensors"
+        save_file({n: tensors[n] for n in names[i::4]}, str(folder / shard), metadata={"format": "pt"})
+        weight_map.update({n: shard for n in names[i::4]})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    code = ("import sys; from s2moe.runtime.model.loader import load_model; "
+            "from s2moe.runtime.profile import model_fingerprint; print(model_fingerprint(load_model(sys.argv[1])))")
+    prints = {subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": str(s)}).stdout for s in range(3)}
+    assert len(prints) == 1
 
 
 def test_profile_for_another_model_is_refused_when_it_says_so(tiny_model_dirs, tmp_path):

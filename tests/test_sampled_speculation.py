@@ -204,3 +204,35 @@ def test_same_seed_same_tokens_different_seeds_differ(generate):
     assert generate(0) == generate(0)
     outputs = {tuple(generate(seed)) for seed in range(8)}
     assert len(outputs) == 8  # 24 tokens of ~1.5 bits each: a collision would mean a seed is ignored
+
+
+@pytest.mark.parametrize("extra", [{"top_p": 0.75}, {"min_p": 0.5}])
+def test_sampled_speculation_honours_top_p_and_min_p(extra):
+    """Tokens the nucleus or min-p leaves out of the target law never come out of verification,
+    and the draft samples from its own law under the same truncation."""
+    params = SamplingParams(temperature=1.0, **extra)
+    model = StubModel(table_target, table_draft, vocab=4)
+    law = exact_law(truncated(table_target, params), (START,), 4)
+    draft_laws = [truncated(table_draft, params)(ctx) for ctx in [(START,)] + [(0,) * (1 + parity) + (last,)
+                                                                          for last in range(3) for parity in range(2)]]
+    rows = []
+    for seed in range(150):
+        dec = SpeculativeDecoder(model, get_method("ca", reuse_gating=False), SpecSettings(draft_topk=1, draft_cap=2),
+                                 EAGER, SamplingParams(temperature=1.0, seed=seed, **extra))
+        accept = dec._accept_chain
+
+        def spy(logits, d, *args, **kwargs):
+            rows.extend(zip(d.tokens, d.dists))
+            return accept(logits, d, *args, **kwargs)
+
+        dec._accept_chain = spy
+        out = tuple(dec.generate([START], 4).tokens)
+        assert out in law, (extra, seed, out)
+    assert len(law) < len(exact_law(table_target, (START,), 4))  # the truncation removes outcomes
+    assert rows and all(any(np.allclose(q, d, rtol=0, atol=1e-12) for d in draft_laws) and q[t] > 0 for t, q in rows)
+
+
+def test_ar_through_the_decoder_draws_what_generate_ar_draws():
+    """Method ar inside the speculative loop takes the same draws from the seed as generate_ar."""
+    for seed in (0, 11):
+        assert _spec_tokens(seed, method="ar") == _ar_tokens(seed)

@@ -64,6 +64,10 @@ def bench(
 
         for name in names:
             get_method(name)  # fail fast on a typo
+        from ..bench import resolve_workload
+        from ..prompts import load_workload
+
+        load_workload(resolve_workload(workload))  # and on a workload that cannot be read
         from ..kernels.backend import select_backend
 
         arrays = select_backend(backend)

@@ -14,9 +14,9 @@ without a new measurement session. One JSON object:
 
 from __future__ import annotations
 
-import json
 import math
 
+from .. import jsonfile
 from .cost_model import FEATURES
 
 FORMAT, VERSION = "s2moe-passes", 1
@@ -57,7 +57,7 @@ def read_pass_log(path: str) -> dict:
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = jsonfile.load(f)
     except FileNotFoundError:
         raise UsageError(f"--passes {path}: not found; record one with s2moe run --record-passes FILE") from None
     except (OSError, ValueError) as e:

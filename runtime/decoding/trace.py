@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+from .. import jsonfile
 from ..errors import UsageError
 
 VERSION = 1
@@ -49,7 +50,7 @@ def load_trace(path: str) -> dict:
     """A trace file, checked enough that a replay cannot fail half-way."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = jsonfile.load(f)
     except FileNotFoundError:
         raise UsageError(f"{path}: no such trace; record one with s2moe bench --trace {path}") from None
     except (ValueError, UnicodeDecodeError) as exc:

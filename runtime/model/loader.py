@@ -8,11 +8,11 @@ file fails with one line naming it.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 from .config import ConfigReader, ModelConfig
+from .. import jsonfile
 from ..errors import ModelFormatError, UnsupportedModelError
 from . import dense as D
 from .formats.tensors import TensorRef
@@ -181,7 +181,7 @@ def _load_hf(folder: str) -> LoadedModel:
     cfg_path = os.path.join(folder, "config.json")
     try:
         with open(cfg_path) as f:
-            raw = json.load(f)
+            raw = jsonfile.load(f)
     except FileNotFoundError:
         raise ModelFormatError(f"{folder}: no config.json; is this a Hugging Face model folder?") from None
     except (ValueError, UnicodeDecodeError):
@@ -281,7 +281,7 @@ def _generation_config(folder: str) -> dict:
     a missing or unreadable file means none."""
     try:
         with open(os.path.join(folder, "generation_config.json")) as f:
-            gen = json.load(f)
+            gen = jsonfile.load(f)
     except (OSError, ValueError):
         return {}
     if not isinstance(gen, dict) or not gen.get("do_sample"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+from .. import jsonfile
 from ..errors import UsageError
 
 
@@ -59,7 +60,7 @@ def load_chat_template(model_path: str, override: str | None = None) -> ChatTemp
         return ChatTemplate(None)
     try:
         with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
+            cfg = jsonfile.load(f)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{path}: not readable JSON ({exc}); fix it or pass --chat-template FILE") from None
     template = cfg.get("chat_template")

@@ -10,9 +10,9 @@ as "default" with a warning, since no name would reproduce it.
 
 from __future__ import annotations
 
-import json
 import sys
 
+from ... import jsonfile
 from ...errors import UsageError
 
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -44,8 +44,13 @@ def add_tokenizer(w, tokenizer_json: str, vocab_size: int | None = None) -> None
     """A byte-level BPE `tokenizer.json` as GGUF's `gpt2` tokenizer (tokens, merges, types) and
     the pre-tokenizer llama.cpp must split with. llama.cpp sizes the vocabulary by the token list,
     so it is padded with unused entries to the model's ``vocab_size`` (embedding rows)."""
-    with open(tokenizer_json, encoding="utf-8") as f:
-        spec = json.load(f)
+    try:
+        with open(tokenizer_json, encoding="utf-8") as f:
+            spec = jsonfile.load(f)
+    except (OSError, ValueError) as exc:  # ValueError: malformed JSON, a nested-JSON bomb, not UTF-8
+        raise UsageError(f"{tokenizer_json}: not a readable tokenizer.json ({exc}); fix or remove it (convert then writes no tokenizer)") from None
+    if not isinstance(spec, dict):
+        raise UsageError(f"{tokenizer_json}: not a tokenizer.json (expected a JSON object)")
     model = spec.get("model", {})
     if model.get("type") != "BPE":
         raise UsageError(f"{tokenizer_json}: only BPE tokenizers can be embedded in GGUF (found {model.get('type')})")

@@ -11,6 +11,7 @@ import json
 import os
 import struct
 
+from ... import jsonfile
 from ...errors import ModelFormatError
 from .tensors import PLAIN_DTYPES, TensorRef
 
@@ -82,7 +83,7 @@ def index_folder(folder: str) -> dict[str, TensorRef]:
     if os.path.exists(index_path):
         try:
             with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
+                weight_map = jsonfile.load(f)["weight_map"]
             files = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise ModelFormatError(f"{index_path}: not a valid safetensors index (needs a 'weight_map' object)") from None
