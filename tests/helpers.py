@@ -93,3 +93,24 @@ def assert_kv_is_fresh_prefill(model, kv, prompt, tokens) -> None:
     for L in range(model.config.num_layers):
         np.testing.assert_allclose(kv.keys[L][:, :len(text)], fresh.keys[L], atol=1e-5)
         np.testing.assert_allclose(kv.values[L][:, :len(text)], fresh.values[L], atol=1e-5)
+
+
+def invoke(app, *args) -> tuple[int, str, str]:
+    """Run a typer app (`s2moe`, `s2moe-calib`) in-process: (exit code, stdout, stderr). An
+    exception the CLI's error table did not handle is raised as itself: the documented outcome
+    (a one-line error) did not happen."""
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return r.exit_code, r.stdout, r.stderr
+
+
+def one_line_error(code, stderr, *needles, exit_code=2) -> None:
+    """The documented outcome of bad input: exactly one `error: ` line holding each needle."""
+    lines = stderr.strip().splitlines()
+    assert code == exit_code, (code, stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])

@@ -92,3 +92,60 @@ def test_ae_backs_off_after_drafts_that_admit_nothing():
     long = SpeculativeDecoder(model, get_method("ca+ae"), SpecSettings(draft_topk=1, draft_cap=4), costs)
     assert len(long.generate([START], 53).tokens) == 53
     assert (long.metrics.empty_drafts, long.metrics.backoff_steps) == (6, 46)
+
+
+def test_ae_skips_the_draft_pass_of_a_token_that_cannot_pay_even_for_free():
+    """U_i ≤ p_i·T_AR / C_draft whatever ΔC_ver is: once the prefix probability times the token's
+    own falls below θ·C_draft / T_AR, drafting stops before that token's pass. Threshold 2, ΔC_ver
+    0: tokens 1-3 are admitted (prefix .8, .64, .512) and the fourth (.41 · 4 < 2) is refused
+    unrun, so the phase is the root pass plus three, not four."""
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.0, t_exp_hit=0.0)
+    model = StubModel(_chain(0.8), _chain(0.8), vocab=4, experts_of=_experts)
+    dec = SpeculativeDecoder(model, get_method("ca+ae"), SpecSettings(draft_topk=1, draft_cap=8, utility_threshold=2.0),
+                             costs)
+    dec.generate([START], 5)
+    assert dec.metrics.draft_samples[0][0] == 4
+
+
+def test_confidence_rule_admits_a_token_exactly_at_the_threshold():
+    """The rule keeps q ≥ θ, the set sampled verification restricts the draft's law to: a token
+    whose probability is θ to the last bit is drafted, one a bit above it is not."""
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.0, t_exp_hit=0.0)
+    model = StubModel(_chain(0.8), _chain(0.8), vocab=4, experts_of=_experts)
+    dec = SpeculativeDecoder(model, get_method("confidence"), SpecSettings(draft_topk=1, draft_cap=1), costs)
+    seen, pick = [], dec._pick
+    dec._pick = lambda *args: seen.append(pick(*args)) or seen[-1]
+    dec.generate([START], 3)
+    theta = seen[0][1]  # the first draft token's probability as the rule reads it
+    assert _first_draft_length("confidence", costs, cap=1, confidence_threshold=theta) == 1
+    assert _first_draft_length("confidence", costs, cap=1, confidence_threshold=float(np.nextafter(theta, 1))) == 0
+
+
+class _GatedRouterStub(StubModel):
+    """Router logits per token (4 experts, top-2): root 0 picks {0, 1}; draft token 1 picks {2, 3},
+    with expert 0 next (1.9), just under expert 3 (2.0)."""
+    ROUTER = {0: [3.0, 2.0, -5, -5], 1: [1.9, -5, 3.0, 2.0], 2: [-5, -5, 3.0, 2.0], START: [3.0, 2.0, -5, -5]}
+
+    def _record(self, tokens):
+        from s2moe.runtime.model.routing import LayerRouting, RoutingRecord
+
+        logits = np.array([self.ROUTER[t] for t in tokens], np.float32)
+        top = np.argsort(-logits, -1, kind="stable")[:, :2]
+        return RoutingRecord({0: LayerRouting(logits, top, np.full(top.shape, 0.5, np.float32))})
+
+
+def test_ae_prices_a_draft_token_under_the_gating_verification_will_use():
+    """S = {0, 1} from the root. Token 1 alone would add experts 2 and 3 (U = .8 / (2·.5 + .25) =
+    0.64: refused). Reuse gating raises expert 0 by the token's top-1 − 3rd gap, to 3.0, past
+    expert 3: the token adds only expert 2 (U = .8 / .75 = 1.07: admitted). s2moe prices the
+    latter, ca+ae (no gating) the former."""
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.5, t_exp_hit=0.5)
+    lengths = {}
+    for method in ("s2moe", "ca+ae"):
+        model = _GatedRouterStub(_chain(0.8), _chain(0.8), vocab=4)
+        dec = SpeculativeDecoder(model, get_method(method), SpecSettings(draft_topk=1, draft_cap=1), costs)
+        chain, out = dec._draft_chain, []
+        dec._draft_chain = lambda *a, **k: out.append(chain(*a, **k)) or out[-1]
+        dec.generate([START], 2)
+        lengths[method] = len(out[0].tokens)
+    assert lengths == {"s2moe": 1, "ca+ae": 0}

@@ -38,6 +38,29 @@ def test_fit_recovers_known_constants_from_noisy_timings():
     assert 0 < model.mape(X, y) < 0.03  # a fraction, not percent
 
 
+def test_cost_model_scores_weights_and_constants_by_hand():
+    """Each figure by hand, so a swapped term cannot hide inside a loose bound."""
+    model = VerificationCostModel()
+    model.intercept_, model.coef_ = 1.0, np.zeros(3)  # predicts 1 s for every pass
+    X, y = np.zeros((2, 3)), np.array([2.0, 4.0])
+    assert model.mape(X, y) == pytest.approx((1 / 2 + 3 / 4) / 2)  # relative to the measurement
+    assert model.score(X, y) == pytest.approx(1 - (1 + 9) / 2)  # R² = 1 − SS_res / SS_tot
+    # sample_weight weighs each squared residual once, as in scikit-learn: an intercept-only fit
+    # is the weighted mean (absolute loss) or the mean weighted by w/y² (relative loss)
+    w = np.array([1.0, 3.0])
+    y = np.array([1.0, 2.0])
+    absolute = VerificationCostModel(loss="absolute").fit(X, y, sample_weight=w)
+    assert absolute.intercept_ == pytest.approx((1 * 1 + 3 * 2) / 4)
+    relative = VerificationCostModel().fit(X, y, sample_weight=w)
+    assert relative.intercept_ == pytest.approx((1 / 1 + 3 / 4 * 2) / (1 + 3 / 4))
+    # the fitted coefficients land in the constants AE reads, each in its own field
+    X = np.array([[1, 0, 0], [0, 1, 0], [0, 0, 1], [0, 0, 0], [2, 3, 5]], dtype=float)
+    y = 0.5 + X @ np.array([0.1, 0.2, 0.03])
+    c = VerificationCostModel(loss="absolute").fit(X, y).constants(t_ar=7.0, c_draft=3.0, source="profile")
+    assert (c.t_ar, c.c_draft, c.source) == (7.0, 3.0, "profile")
+    np.testing.assert_allclose([c.t_base, c.t_token, c.t_exp_miss, c.t_exp_hit], [0.5, 0.1, 0.2, 0.03], rtol=1e-9)
+
+
 def test_schema_file_is_generated_from_the_code():
     with open(os.path.join(ROOT, "profiles", "schema.json")) as f:
         assert f.read() == schema_json(), "regenerate with: s2moe-calib schema > profiles/schema.json"

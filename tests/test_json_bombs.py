@@ -13,29 +13,16 @@ import os
 import shutil
 
 import pytest
-from typer.testing import CliRunner
 
 from s2moe.calib.cli import app as calib_app
 from s2moe.runtime.cli import app
 from s2moe.runtime.cli.common import DEFAULT_MODEL
 
+from helpers import invoke, one_line_error
+
 BOMB = "[" * 200_000 + "]" * 200_000
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = os.path.join(ROOT, "profiles", "orin-16g.json")
-
-
-def invoke(which, *args):
-    r = CliRunner().invoke(which, [str(a) for a in args])
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise r.exception
-    return r.exit_code, r.stderr
-
-
-def one_line(code, stderr, *needles):
-    lines = stderr.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, stderr)
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
 
 
 def _model_copy(tiny_model_dirs, tmp_path, replace: str) -> str:
@@ -48,19 +35,21 @@ def _model_copy(tiny_model_dirs, tmp_path, replace: str) -> str:
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
 def test_a_bomb_in_a_model_folder(tiny_model_dirs, tmp_path, name):
     folder = _model_copy(tiny_model_dirs, tmp_path, name)
-    one_line(*invoke(app, "info", "--model", folder), name)
+    code, _, stderr = invoke(app, "info", "--model", folder)
+    one_line_error(code, stderr, name)
 
 
 def test_a_bomb_in_generation_config_is_no_sampling_defaults(tiny_model_dirs, tmp_path):
     folder = _model_copy(tiny_model_dirs, tmp_path, "generation_config.json")  # optional: read as absent
-    code, stderr = invoke(app, "info", "--model", folder)
+    code, _, stderr = invoke(app, "info", "--model", folder)
     assert code == 0, stderr
 
 
 def test_a_bomb_as_tokenizer_json_in_convert(tiny_model_dirs, tmp_path):
     folder = _model_copy(tiny_model_dirs, tmp_path, "tokenizer.json")
     out = tmp_path / "m.gguf"
-    one_line(*invoke(app, "convert", "--model", folder, "--out", out), "tokenizer.json", "not a readable")
+    code, _, stderr = invoke(app, "convert", "--model", folder, "--out", out)
+    one_line_error(code, stderr, "tokenizer.json", "not a readable")
     assert not out.exists()
 
 
@@ -68,16 +57,16 @@ def test_a_bomb_as_tokenizer_json_in_convert(tiny_model_dirs, tmp_path):
 def test_a_bomb_as_a_runs_input_file(tmp_path, flag):
     bomb = tmp_path / "bomb.json"
     bomb.write_text(BOMB)
-    code, stderr = invoke(app, "run", "--model", DEFAULT_MODEL, "-p", "def f", "-n", "1", "--method", "ar", flag, bomb)
-    one_line(code, stderr, str(bomb), "not valid JSON")
+    code, _, stderr = invoke(app, "run", "--model", DEFAULT_MODEL, "-p", "def f", "-n", "1", "--method", "ar", flag, bomb)
+    one_line_error(code, stderr, str(bomb), "not valid JSON")
 
 
 def test_a_bomb_in_a_workload(tmp_path):
     bomb = tmp_path / "bomb.jsonl"
     bomb.write_text('{"prompt": "def f"}\n' + BOMB + "\n")
-    code, stderr = invoke(app, "bench", "--model", DEFAULT_MODEL, "-w", bomb, "--methods", "ar", "--n-prompts", "1",
+    code, _, stderr = invoke(app, "bench", "--model", DEFAULT_MODEL, "-w", bomb, "--methods", "ar", "--n-prompts", "1",
                           "--max-tokens", "2")
-    one_line(code, stderr, f"{bomb}:2", "not valid JSON")
+    one_line_error(code, stderr, f"{bomb}:2", "not valid JSON")
 
 
 @pytest.mark.parametrize("command", ["predict", "update", "fit"])
@@ -92,7 +81,8 @@ def test_a_bomb_in_a_calib_input(tmp_path, command):
         args = ("profile", "--update", profile, "--passes", bomb)
     else:
         args = ("fit", bomb)
-    one_line(*invoke(calib_app, *args), str(bomb))
+    code, _, stderr = invoke(calib_app, *args)
+    one_line_error(code, stderr, str(bomb))
 
 
 def test_a_bomb_as_tokenizer_config_of_the_server(tmp_path):

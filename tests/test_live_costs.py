@@ -6,6 +6,7 @@ the new link within 10 % after 20 verification passes."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from s2moe.runtime.cli.common import DEFAULT_MODEL
 from s2moe.runtime.decoding.cost_model import CostConstants
@@ -46,6 +47,32 @@ def test_without_passes_the_profile_is_returned():
     assert set(live.drift().values()) == {0.0}
 
 
+def test_a_single_token_verification_is_an_ar_step_for_t_ar():
+    live = LiveCosts(PRIOR)
+    live.observe_verify(3, 2, 10, 0.02)  # a draft of two: not an AR step
+    assert live.t_ar.n == 0 and live.current().t_ar == PRIOR.t_ar
+    live.observe_verify(1, 2, 10, 0.02)  # [root] alone: an empty draft's verification is one
+    assert live.t_ar.n == 1
+    assert live.current().t_ar == (0.02 + PRIOR.t_ar * live.prior_passes) / (1 + live.prior_passes)
+
+
+def test_the_prior_weighs_each_feature_in_its_own_units():
+    """By hand: n identical passes a = (1, 4, 3, 2) taking y. The prior adds p·mean(a_j²)·(θ_j −
+    θ0_j)² per feature, so the fit moves every feature's share a_j·θ_j by the same u, and the
+    predicted pass by 4u, u = W·e / (p + 4W): e = y − a·θ0, W = Σ decay^i the passes' weight."""
+    p, half, n = 0.5, 10.0, 6
+    live = LiveCosts(PRIOR, half_life=half, prior_passes=p)
+    a, theta0 = np.array([1.0, 4.0, 3.0, 2.0]), live.theta0.copy()
+    y = 1.1 * float(a @ theta0)  # 10 % off the profile: below the regime-change threshold (15 %)
+    for _ in range(n):
+        live.observe_verify(4, 3, 2, y)
+    assert live.restarts == 0
+    decay = 0.5 ** (1 / half)
+    W = (1 - decay ** n) / (1 - decay)
+    u = W * (y - a @ theta0) / (p + 4 * W)
+    np.testing.assert_allclose(a * (live.coefficients() - theta0), np.full(4, u), rtol=1e-9)
+
+
 def _run_until(decoder, ids, passes: int) -> None:
     goal = decoder.live.passes + passes
     for _ in range(40):
@@ -80,6 +107,14 @@ def test_decoder_uses_the_live_constants_and_keeps_them_fixed_without_live():
     live.generate(ids, 24)
     assert live.costs.source == "live" and live.costs == live.live.current()
     assert live.costs.t_exp_miss > 2 * PRIOR.t_exp_miss  # a 20 MB/s link: ~8.6 ms a miss, not 1 ms
+    # live C_draft is per draft pass: the decayed mean of each drafting phase's seconds / passes
+    samples, decay = live.metrics.draft_samples, live.live.decay
+    total = weight = 0.0
+    for passes, seconds in samples:
+        total, weight = total * decay + seconds / passes, weight * decay + 1
+    assert live.live.c_draft.n == len(samples) > 0 and max(p for p, _ in samples) > 1
+    prior = live.live.prior_passes
+    assert live.live.current().c_draft == pytest.approx((total + PRIOR.c_draft * prior) / (weight + prior))
     fixed = SpeculativeDecoder(engine.model, get_method("ca"), settings, PRIOR)
     fixed.generate(ids, 24)
     assert fixed.costs is PRIOR and fixed.live is None

@@ -1,6 +1,7 @@
 """docs/reliability.md, row by row: each hostile input gets its documented outcome (the error, its
 text and the exit code), asserted through the public entry points (`s2moe` commands run in-process,
-`load_model`, `build_engine`). Rows tested elsewhere name their test in the document.
+`load_model`, `build_engine`). Rows tested elsewhere name their test in the document; GGUF
+headers are in test_gguf_hostile.py.
 """
 
 from __future__ import annotations
@@ -12,32 +13,21 @@ import shutil
 import struct
 import tracemalloc
 
-import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from s2moe.runtime.cli import app
 from s2moe.runtime.cli.errors import cli_errors
 from s2moe.runtime.errors import ExpertReadError, KVCacheError, S2MoEError
 from s2moe.runtime.model.loader import load_model
 
+from helpers import invoke, one_line_error
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def s2moe(*args):
     """Run an `s2moe` command in-process: (exit code, stdout, stderr)."""
-    r = CliRunner().invoke(app, [str(a) for a in args])
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise r.exception  # not handled by the CLI's error table: the documented outcome did not happen
-    return r.exit_code, r.stdout, r.stderr
-
-
-def one_line_error(code, stderr, *needles, exit_code=2):
-    lines = stderr.strip().splitlines()
-    assert code == exit_code, (code, stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
+    return invoke(app, *args)
 
 
 # -- safetensors headers --------------------------------------------------------------------------
@@ -154,205 +144,22 @@ def test_a_sharded_folder_loads(tiny_model_dirs, tmp_path):
     assert code == 0, stderr
 
 
-# -- GGUF headers ---------------------------------------------------------------------------------
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def gguf_layout(data: bytes) -> dict:
-    """Byte positions in a GGUF v3 file, found by our own walk (independent of the product's
-    parser): the first string value, and per tensor its name's length field and its offset field."""
-    pos, n_tensors, n_kv = 24, *struct.unpack_from("<QQ", data, 8)
-    first_string = None
-
-    def skip(kind):
-        nonlocal pos, first_string
-        if kind in _SCALAR:
-            pos += _SCALAR[kind]
-        elif kind == 8:
-            if first_string is None:
-                first_string = pos
-            pos += 8 + struct.unpack_from("<Q", data, pos)[0]
-        else:  # array
-            sub, count = struct.unpack_from("<IQ", data, pos)
-            pos += 12
-            for _ in range(count):
-                skip(sub)
-
-    keys = {}
-    for _ in range(n_kv):
-        n = struct.unpack_from("<Q", data, pos)[0]
-        keys[data[pos + 8: pos + 8 + n].decode()] = pos
-        pos += 8 + n
-        kind = struct.unpack_from("<I", data, pos)[0]
-        pos += 4
-        skip(kind)
-    tensors = {}
-    for _ in range(n_tensors):
-        at = pos
-        n = struct.unpack_from("<Q", data, pos)[0]
-        name = data[pos + 8: pos + 8 + n].decode()
-        pos += 8 + n
-        dims = struct.unpack_from("<I", data, pos)[0]
-        pos += 4 + 8 * dims + 4
-        tensors[name] = (at, pos)  # name field, offset field
-        pos += 8
-    return {"first_string": first_string, "tensors": tensors, "keys": keys}
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tiny_model_dirs, tmp_path_factory) -> bytes:
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    code, _, stderr = s2moe("convert", "-m", tiny_model_dirs["olmoe"][1], "-o", path, "--type", "F32")
-    assert code == 0, stderr
-    return path.read_bytes()
-
-
-def _same_length_pair(names, within: str = "blk") -> tuple[str, str]:
-    by_len: dict[int, list[str]] = {}
-    for name in names:
-        by_len.setdefault(len(name), []).append(name)
-    return next(sorted(v)[:2] for v in by_len.values() if len(v) >= 2 and within in v[0])
-
-
-def _gguf_case(data: bytes, case: str) -> tuple[bytes, str]:
-    b = bytearray(data)
-    layout = gguf_layout(data)
-    tensors = layout["tensors"]
-    if case == "10^12 tensors":  # row: GGUF header claiming 10¹² tensors
-        b[8:16] = struct.pack("<Q", 10**12)
-        return bytes(b), "cannot fit"
-    if case == "10^12 metadata entries":
-        b[16:24] = struct.pack("<Q", 10**12)
-        return bytes(b), "cannot fit"
-    if case == "string length":  # row: a string length mutated: the pre-scan refuses it
-        b[layout["first_string"]:layout["first_string"] + 8] = struct.pack("<Q", 10**12)
-        return bytes(b), "runs past the end of the file"
-    if case == "duplicate metadata key":  # row: duplicates refused
-        first, second = _same_length_pair(layout["keys"], within="")
-        at = layout["keys"][second]
-        b[at + 8: at + 8 + len(first)] = first.encode()
-        return bytes(b), f"metadata key {first} appears twice"
-    first, second = _same_length_pair(tensors)
-    if case == "duplicate tensor":  # row: duplicates refused
-        at = tensors[second][0]
-        b[at + 8: at + 8 + len(first)] = first.encode()
-        return bytes(b), first  # and "appears twice" (ours) or "duplicated" (gguf's GGUFReader)
-    if case == "overlapping tensors":  # row: overlapping tensors refused
-        src, dst = tensors[first][1], tensors[second][1]
-        b[dst:dst + 8] = b[src:src + 8]
-        return bytes(b), "overlap"
-    raise ValueError(case)
-
-
-GGUF_CASES = ["10^12 tensors", "10^12 metadata entries", "string length", "duplicate tensor", "duplicate metadata key",
-              "overlapping tensors"]
-
-
-@pytest.mark.parametrize("case", GGUF_CASES)
-def test_hostile_gguf_header_is_one_line_exit_2(tiny_gguf, tmp_path, case):
-    data, needle = _gguf_case(tiny_gguf, case)
-    path = tmp_path / "bad.gguf"
-    path.write_bytes(data)
-    code, _, stderr = s2moe("info", "--model", path)
-    one_line_error(code, stderr, needle, "bad.gguf")
-    if case == "duplicate tensor":
-        assert "appears twice" in stderr or "duplicated" in stderr, stderr
-
-
-def test_the_unmodified_gguf_loads(tiny_gguf, tmp_path):
-    """The cases above fail because of their one edit: the file they start from is fine."""
-    path = tmp_path / "ok.gguf"
-    path.write_bytes(tiny_gguf)
-    code, stdout, stderr = s2moe("info", "--model", path, "--json")
-    assert code == 0, stderr
-    assert json.loads(stdout)["architecture"] == "olmoe"
-
-
-def test_a_gguf_whose_tensor_table_is_not_in_offset_order_loads(tiny_gguf, tmp_path):
-    """GGUF does not require the tensor table in offset order: two neighbours of the same size with
-    their offsets swapped are a valid file (their weights trade places), not an overlap."""
-    from gguf import GGUFReader
-
-    src = tmp_path / "src.gguf"
-    src.write_bytes(tiny_gguf)
-    table = [(t.name, int(t.n_bytes)) for t in GGUFReader(str(src)).tensors]
-    a, b = next((x[0], y[0]) for x, y in zip(table, table[1:]) if x[1] == y[1])
-    fields = gguf_layout(tiny_gguf)["tensors"]
-    data = bytearray(tiny_gguf)
-    (oa, ob) = fields[a][1], fields[b][1]
-    data[oa:oa + 8], data[ob:ob + 8] = tiny_gguf[ob:ob + 8], tiny_gguf[oa:oa + 8]
-    path = tmp_path / "swapped.gguf"
-    path.write_bytes(bytes(data))
-    assert load_model(str(path)).experts  # parsed: no overlap reported
-    code, stdout, stderr = s2moe("info", "--model", path, "--json")
-    assert code == 0, stderr
-
-
-def test_a_version_2_gguf_loads(tiny_gguf, tmp_path):
-    data = bytearray(tiny_gguf)
-    data[4:8] = struct.pack("<I", 2)  # v2 and v3 share this layout (64-bit counts and lengths)
-    path = tmp_path / "v2.gguf"
-    path.write_bytes(bytes(data))
-    assert load_model(str(path)).experts
-
-
-def test_a_gguf_header_larger_than_the_first_mib_read_is_parsed_whole(tmp_path):
-    """The header is read 1 MiB at first and grown on demand: a 128k-token vocabulary makes
-    headers of several MiB."""
-    import gguf
-
-    from s2moe.runtime.model.formats.gguf_index import GGUFIndex
-
-    path = tmp_path / "big-header.gguf"
-    w = gguf.GGUFWriter(str(path), "olmoe")
-    w.add_string("general.description", "x" * (3 << 20))  # 3 MiB of metadata before the tensor table
-    w.add_tensor("blk.0.t.weight", np.arange(32, dtype=np.float32).reshape(4, 8))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    idx = GGUFIndex(str(path))
-    assert len(idx.metadata["general.description"]) == 3 << 20 and set(idx.tensors) == {"blk.0.t.weight"}
-
-
-def test_deeply_nested_gguf_arrays_are_refused_not_recursed(tmp_path):
-    from s2moe.runtime.model.formats.gguf_index import GGUFIndex
-
-    body = struct.pack("<Q", 1) + b"a" + struct.pack("<I", 9)  # one key, "a": an array ...
-    body += struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0)  # ... of arrays, 5,000 deep
-    path = tmp_path / "nested.gguf"
-    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body)
-    with pytest.raises(S2MoEError):
-        GGUFIndex(str(path))
-
-
-@pytest.mark.parametrize("alignment", [0, 48])
-def test_a_gguf_alignment_that_is_not_a_power_of_two_is_one_line(tiny_gguf, tmp_path, alignment):
-    data = bytearray(tiny_gguf)
-    at = gguf_layout(tiny_gguf)["keys"]["general.alignment"] + 8 + len("general.alignment")
-    assert struct.unpack_from("<I", data, at)[0] == 4  # a uint32 value follows
-    data[at + 4:at + 8] = struct.pack("<I", alignment)
-    path = tmp_path / "bad.gguf"
-    path.write_bytes(bytes(data))
-    code, _, stderr = s2moe("info", "--model", path)
-    one_line_error(code, stderr, "general.alignment", "not a power of two", "bad.gguf")
-
-
 # -- O_DIRECT refused -----------------------------------------------------------------------------
 @pytest.mark.parametrize("run", ["first", "again"])  # "again": the note is not lost to the previous test
 def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so_once(tiny_model_dirs, monkeypatch, capsys, run):
     """A file system that refuses O_DIRECT (open fails with EINVAL, as on tmpfs): reads are
-    buffered, give the same bytes, drop their pages with posix_fadvise(DONTNEED), and one note on
-    stderr says so, once, however many reads and stores follow. Run twice in one process: the
-    warn-once memory is reset between tests (conftest.py), so the order of tests does not matter."""
+    buffered, give the same bytes, drop the pages they read with posix_fadvise(DONTNEED), are
+    counted at their exact size against the budget, and one note on stderr says so, once, however
+    many reads and stores follow. Run twice in one process: the warn-once memory is reset between
+    tests (conftest.py), so the order of tests does not matter."""
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.decoding.generate import generate_ar
 
     folder = tiny_model_dirs["olmoe"][1]
     expected = generate_ar(build_engine(folder, "0.25", direct_io=False).model, [1, 2, 3], 6).tokens
     capsys.readouterr()
-    real_open, real_fadvise = os.open, getattr(os, "posix_fadvise", None)
-    refused, dropped = [], []
+    real_open, real_fadvise, real_pread = os.open, getattr(os, "posix_fadvise", None), os.pread
+    refused, dropped, dropped_ranges, read_ranges = [], [], set(), set()
 
     def open_refusing_direct(path, flags, *args, **kwargs):
         if flags & getattr(os, "O_DIRECT", 0):
@@ -360,20 +167,33 @@ def test_o_direct_refused_falls_back_to_buffered_reads_and_says_so_once(tiny_mod
             raise OSError(errno.EINVAL, "Invalid argument", path)
         return real_open(path, flags, *args, **kwargs)
 
+    def pread(fd, nbytes, offset):
+        read_ranges.add((fd, offset, nbytes))
+        return real_pread(fd, nbytes, offset)
+
     def fadvise(fd, offset, length, advice):
         dropped.append(advice)
+        dropped_ranges.add((fd, offset, length))
         if real_fadvise is not None:
             real_fadvise(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0o40000), raising=False)
     monkeypatch.setattr(os, "open", open_refusing_direct)
     monkeypatch.setattr(os, "posix_fadvise", fadvise, raising=False)
+    monkeypatch.setattr(os, "pread", pread)
     monkeypatch.setattr(os, "POSIX_FADV_DONTNEED", getattr(os, "POSIX_FADV_DONTNEED", 4), raising=False)
     for _ in range(2):  # two engines, two stores: still one note
         engine = build_engine(folder, "0.25")
         assert generate_ar(engine.model, [1, 2, 3], 6).tokens == expected
     assert refused
     assert dropped and set(dropped) == {os.POSIX_FADV_DONTNEED}
+    assert dropped_ranges and dropped_ranges <= read_ranges  # the pages of what was read, no others
+    # buffered reads hold exact buffers: the budget counts each expert at its bytes, not page-rounded
+    held = engine.cache.held
+    assert held and engine.cache.resident_bytes == sum(w.nbytes for w in held.values())
+    refs = engine.cache.store.refs
+    assert all(w.nbytes == refs[key].resident_bytes_for(False) for key, w in held.items())
+    assert any(refs[key].resident_bytes_for(False) < refs[key].resident_bytes_for(True) for key in held)
     notes = [line for line in capsys.readouterr().err.splitlines() if "O_DIRECT refused" in line]
     assert len(notes) == 1 and "posix_fadvise(DONTNEED)" in notes[0], notes
 

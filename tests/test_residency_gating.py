@@ -110,3 +110,71 @@ def test_the_decoder_prices_an_expert_being_prefetched_as_in_flight():
 
     dec = SpeculativeDecoder(_Model, get_method("ca+ae"), SpecSettings(), CostConstants(1, 1, 1, 1))
     assert [dec._state(k) for k in [(0, 1), (0, 5), (0, 2)]] == ["held", "in_flight", "missing"]
+
+
+def test_ae_prediction_raises_by_rg_strength_times_the_gap():
+    """Expert 5 (1.9, in the batch) is raised by strength × (3.0 − 1.9): at 0.05 it reaches 1.955,
+    still under expert 1 (2.0); at 0.5 it reaches 2.45 and replaces it."""
+    logits = np.array([[3.0, 2.0, -5, -5, -5, 1.9, -5, -5]], np.float32)
+    costs = CostConstants(1, 1, 1, 1)
+    for strength, new in ((0.05, {(0, 0), (0, 1)}), (0.5, {(0, 0)})):
+        dec = SpeculativeDecoder(_OneLayerModel, get_method("s2moe"), SpecSettings(rg_strength=strength), costs)
+        assert dec._predicted_experts(_record(logits), 0, {(0, 5)}) - {(0, 5)} == new, strength
+
+
+class _TierModel(_OneLayerModel):
+    class experts:  # the fast tier holds (or is reading) expert 6
+        @staticmethod
+        def available_mask(layer, num_experts):
+            mask = np.zeros(num_experts, bool)
+            mask[6] = True
+            return mask
+
+
+def test_ae_prediction_under_the_resident_variant_favours_the_batch_and_the_tier():
+    """Top-2 {0, 1}; expert 5 (1.9) in the batch, expert 6 (1.8) in the tier. Both are raised by
+    the 3.0 − 1.9 gap, to 3.0 and 2.9, past expert 1: the token adds expert 0 only. With an empty
+    batch, only the tier's expert 6 is raised (to 2.9), and the paper's variant raises nothing."""
+    logits = np.array([[3.0, 2.0, -5, -5, -5, 1.9, 1.8, -5]], np.float32)
+    costs = CostConstants(1, 1, 1, 1)
+    resident = SpeculativeDecoder(_TierModel, get_method("s2moe"), SpecSettings(rg_variant="resident"), costs)
+    paper = SpeculativeDecoder(_TierModel, get_method("s2moe"), SpecSettings(rg_variant="paper"), costs)
+    assert resident._predicted_experts(_record(logits), 0, {(0, 5)}) - {(0, 5)} == {(0, 0)}
+    assert resident._predicted_experts(_record(logits), 0, set()) == {(0, 0), (0, 6)}
+    assert paper._predicted_experts(_record(logits), 0, set()) == {(0, 0), (0, 1)}
+
+
+def test_the_decoders_resident_gating_sees_what_the_tier_holds():
+    """Verification's policy under --rg-variant resident: the tier's experts enter E* (ρ = 2
+    outranks any importance), so expert 6 is favoured; the paper's E* is {0, 1, 2, 3}."""
+    settings = SpecSettings(rg_variant="resident", rg_residency=2.0)
+    dec = SpeculativeDecoder(_TierModel, get_method("s2moe"), settings, CostConstants(1, 1, 1, 1))
+    bias = dec._verify_policy([1.0, 0.8, 0.8]).selection_bias(0, _logits())
+    assert 6 in set(np.nonzero(bias[0] > 0)[0])
+
+
+def test_verification_gating_weighs_each_token_by_its_draft_confidence(monkeypatch):
+    """The paper's w_b: the root weighs 1, each draft token its draft probability (0.8 here)."""
+    import s2moe.runtime.decoding.speculative as speculative
+    from stub_model import START, StubModel
+
+    seen, real = [], speculative.ReuseGating
+
+    def spy(*args, **kwargs):
+        seen.append(np.asarray(args[4], np.float64))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(speculative, "ReuseGating", spy)
+
+    def chain(ctx):  # greedy drafts 0 → 1 → 2 → 0 …, each at 0.8
+        p = np.array([0.1, 0.1, 0.1, 0.0])
+        p[(ctx[-1] + 1) % 3 if ctx[-1] != START else 0] = 0.8
+        return p
+
+    model = StubModel(chain, chain, vocab=4, experts_of=lambda t: {t % 4, (t + 1) % 4})
+    dec = SpeculativeDecoder(model, get_method("ca", reuse_gating=True), SpecSettings(draft_topk=1, draft_cap=3),
+                             CostConstants(1, 1, 1, 1))
+    dec.generate([START], 8)
+    assert seen and all(len(w) == 4 for w in seen)
+    for w in seen:
+        np.testing.assert_allclose(w, [1.0, 0.8, 0.8, 0.8], rtol=1e-9)
