@@ -113,12 +113,12 @@ def to_markdown(records: list[Record]) -> str:
 
 
 def write_outputs(records: list[Record], machine: dict, stem: str, title: str) -> None:
-    """Table to stderr; JSON and CSV next to ``stem``."""
+    """Table to stderr; JSON and CSV next to ``stem``, each written whole or not at all."""
     from rich.console import Console
+
+    from .outputs import write_atomic
 
     Console(stderr=True).print(to_table(records, title))
     os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        f.write(to_json(records, machine))
-    with open(stem + ".csv", "w") as f:
-        f.write(to_csv(records))
+    write_atomic(stem + ".json", to_json(records, machine))
+    write_atomic(stem + ".csv", to_csv(records))

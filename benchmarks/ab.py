@@ -1,0 +1,97 @@
+"""Two settings of `s2moe bench` on the same prompts, taking turns: the paired ratio B / A.
+
+    python benchmarks/ab.py --label lookahead --a=--no-lookahead --b= --reps 5 \
+        -- --model WIDENED --methods ar,s2moe --budget 0.25 -w humaneval --n-prompts 3
+    python benchmarks/ab.py --label live-vs-stale --a=--no-live-costs --b= --reps 3 \
+        -- --model WIDENED --methods s2moe --profile P.json --emulate-bandwidth 200 --emulate-latency 300
+
+Everything after ``--`` goes to both runs; ``--a`` and ``--b`` add each side's own flags (split
+like a shell line). A repetition runs A then B, the next B then A, and so on: this machine drifts
+by tens of percent within seconds, so only ratios within a repetition mean anything. For each
+method the figure is B's aggregate decode tok/s over A's, per repetition, with the median.
+
+Writes ``--out``.json / .csv (raw samples, acceptance, MB fetched per token, the constants each run
+ended with, machine, commit) and prints a markdown table. Nothing else may run beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+
+
+def bench_once(common: list[str], own: list[str]) -> dict[str, dict]:
+    """One `s2moe bench`: its records by method name."""
+    with tempfile.TemporaryDirectory(prefix="s2moe-ab-") as tmp:
+        out = os.path.join(tmp, "bench.json")
+        cmd = [sys.executable, "-m", "s2moe.runtime.cli", "bench", *common, *own, "--json", out]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"error: s2moe bench {shlex.join(own)} exited {done.returncode}: "
+                             + (done.stderr.strip().splitlines() or ["no message"])[-1])
+        with open(out, encoding="utf-8") as f:
+            return {r["name"]: r for r in json.load(f)["records"]}
+
+
+def tok_s(record: dict) -> float:
+    """A run's aggregate decode tok/s: all prompts' tokens over all their time."""
+    return float(record["extra"]["decode_tokens_per_s_aggregate"])
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    common = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--label", required=True, help="what is compared (names the records)")
+    ap.add_argument("--a", default="", help="side A's own flags")
+    ap.add_argument("--b", default="", help="side B's own flags")
+    ap.add_argument("--a-name", default="A")
+    ap.add_argument("--b-name", default="B")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", required=True, help="output stem (.json and .csv are added)")
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    sides = {args.a_name: shlex.split(args.a), args.b_name: shlex.split(args.b)}
+    runs: dict[str, list[dict[str, dict]]] = {name: [] for name in sides}
+    for rep in range(args.reps):
+        for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
+            runs[name].append(bench_once(common, sides[name]))
+            print(f"rep {rep + 1} {name}: " + ", ".join(f"{m} {tok_s(r):.2f} tok/s" for m, r in runs[name][-1].items()),
+                  file=sys.stderr, flush=True)
+    a, b = args.a_name, args.b_name
+    methods = list(runs[a][0])
+    records, rows = [], []
+    for method in methods:
+        ratios = [tok_s(rb[method]) / tok_s(ra[method]) for ra, rb in zip(runs[a], runs[b])]
+        for name in (a, b):
+            recs = [r[method] for r in runs[name]]
+            records.append(Record(
+                "ab", f"{args.label} {name} {method}", "tok/s", [tok_s(r) for r in recs],
+                params={"label": args.label, "side": name, "flags": sides[name], "common": common, "method": method,
+                        **{k: recs[0]["params"].get(k) for k in ("workload", "budget", "n_prompts", "emulation")}},
+                extra={"acceptance_length": [r["extra"].get("acceptance_length") for r in recs],
+                       "mb_fetched_per_token": [r["extra"].get("bytes_fetched_per_token", 0) / 1e6 for r in recs],
+                       "ms_per_token": [r["extra"].get("ms_per_token") for r in recs],
+                       "constants_at_end": [r["extra"].get("live_costs") or r["extra"].get("cost_constants")
+                                            for r in recs],
+                       f"{b}_over_{a}": ratios if name == b else None}))
+        rows.append((method, [tok_s(r[method]) for r in runs[a]], [tok_s(r[method]) for r in runs[b]], ratios))
+    write_outputs(records, machine_info(), args.out, f"{args.label}: {b} against {a}")
+    print(f"| method | {a} tok/s | {b} tok/s | {b} / {a}, each repetition | median |")
+    print("|---|---|---|---|---|")
+    for method, sa, sb, ratios in rows:
+        print(f"| {method} | {', '.join(f'{x:.2f}' for x in sa)} | {', '.join(f'{x:.2f}' for x in sb)} | "
+              f"{', '.join(f'{x:.3f}' for x in ratios)} | **{statistics.median(ratios):.3f}×** |")
+
+
+if __name__ == "__main__":
+    main()
