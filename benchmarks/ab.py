@@ -6,7 +6,12 @@
         -- --model WIDENED --methods s2moe --profile P.json --emulate-bandwidth 200 --emulate-latency 300
 
 Everything after ``--`` goes to both runs; ``--a`` and ``--b`` add each side's own flags (split
-like a shell line). A repetition runs A then B, the next B then A, and so on: this machine drifts
+like a shell line), and ``--a-rev`` / ``--b-rev`` run that side on the code of a git revision (a
+clean copy with the built extension, first on its import path) instead of the installed one:
+
+    python benchmarks/ab.py --label reads-first --a-name before --a-rev b247cfd --b-name after \
+        -- --model WIDENED --methods ar,s2moe --budget 0.25 -w humaneval --n-prompts 3
+ A repetition runs A then B, the next B then A, and so on: this machine drifts
 by tens of percent within seconds, so only ratios within a repetition mean anything. For each
 method the figure is B's aggregate decode tok/s over A's, per repetition, with the median.
 
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,11 +36,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
 
 
-def bench_once(common: list[str], own: list[str]) -> dict[str, dict]:
-    """One `s2moe bench`: its records by method name."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); runpy.run_module('s2moe.runtime.cli', run_name='__main__')"
+
+
+def copy_of(rev: str, dest: str) -> str:
+    """A clean tree of ``rev`` importable as s2moe, with this checkout's built extension."""
+    import glob
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import mutate  # its make_copy: the same copies mutation testing and the stress loop use
+
+    os.makedirs(dest)
+    mutate.make_copy(rev, dest)
+    for so in glob.glob(os.path.join(ROOT, "s2moe", "_cpu*.so")):
+        shutil.copy2(so, os.path.join(dest, "s2moe"))
+    return dest
+
+
+def bench_once(common: list[str], own: list[str], code: str | None) -> dict[str, dict]:
+    """One `s2moe bench` (on the code under ``code``, or the installed one): records by method."""
     with tempfile.TemporaryDirectory(prefix="s2moe-ab-") as tmp:
         out = os.path.join(tmp, "bench.json")
-        cmd = [sys.executable, "-m", "s2moe.runtime.cli", "bench", *common, *own, "--json", out]
+        head = [sys.executable, "-c", CLI, code] if code else [sys.executable, "-m", "s2moe.runtime.cli"]
+        cmd = [*head, "bench", *common, *own, "--json", out]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"error: s2moe bench {shlex.join(own)} exited {done.returncode}: "
@@ -57,16 +82,24 @@ def main() -> None:
     ap.add_argument("--b", default="", help="side B's own flags")
     ap.add_argument("--a-name", default="A")
     ap.add_argument("--b-name", default="B")
+    ap.add_argument("--a-rev", help="run side A on this git revision's code")
+    ap.add_argument("--b-rev", help="run side B on this git revision's code")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", required=True, help="output stem (.json and .csv are added)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     sides = {args.a_name: shlex.split(args.a), args.b_name: shlex.split(args.b)}
+    scratch = tempfile.mkdtemp(prefix="s2moe-ab-code-")
+    code = {name: copy_of(rev, os.path.join(scratch, name)) if rev else None
+            for name, rev in ((args.a_name, args.a_rev), (args.b_name, args.b_rev))}
     runs: dict[str, list[dict[str, dict]]] = {name: [] for name in sides}
-    for rep in range(args.reps):
-        for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
-            runs[name].append(bench_once(common, sides[name]))
-            print(f"rep {rep + 1} {name}: " + ", ".join(f"{m} {tok_s(r):.2f} tok/s" for m, r in runs[name][-1].items()),
-                  file=sys.stderr, flush=True)
+    try:
+        for rep in range(args.reps):
+            for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
+                runs[name].append(bench_once(common, sides[name], code[name]))
+                print(f"rep {rep + 1} {name}: " + ", ".join(f"{m} {tok_s(r):.2f} tok/s"
+                                                            for m, r in runs[name][-1].items()), file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     a, b = args.a_name, args.b_name
     methods = list(runs[a][0])
     records, rows = [], []
@@ -77,6 +110,7 @@ def main() -> None:
             records.append(Record(
                 "ab", f"{args.label} {name} {method}", "tok/s", [tok_s(r) for r in recs],
                 params={"label": args.label, "side": name, "flags": sides[name], "common": common, "method": method,
+                        "code": {args.a_name: args.a_rev, args.b_name: args.b_rev}[name] or "installed",
                         **{k: recs[0]["params"].get(k) for k in ("workload", "budget", "n_prompts", "emulation")}},
                 extra={"acceptance_length": [r["extra"].get("acceptance_length") for r in recs],
                        "mb_fetched_per_token": [r["extra"].get("bytes_fetched_per_token", 0) / 1e6 for r in recs],

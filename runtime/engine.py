@@ -90,7 +90,6 @@ def build_engine(
     prefetch_slots: int | None = None,
     budget_from: str = "--budget",
     trim_hot: bool = False,
-    lookahead: bool = True,
 ) -> Engine:
     """``offload_tier``: "file" reads missing experts from the model file (Orin: SSD → pinned →
     device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device).
@@ -99,9 +98,7 @@ def build_engine(
     `load_model(path, dense=False)`), so a budget too small for it fails in one line first.
     ``preload``: when every expert fits, read them all now (the CLI's runs start warm).
     ``prefetch_slots``: experts a draft may read ahead for verification (default 2 × top-k under a
-    budget, 0 when every expert is resident); counted in the plan's workspace. ``lookahead``: under
-    a budget on the host, each MoE layer starts reading the next one's likely experts (within
-    those slots) while it computes (forward.py)."""
+    budget, 0 when every expert is resident); counted in the plan's workspace."""
     loaded = loaded or load_model(model_path, dense=False)
     parsed = Budget.parse(budget, budget_from)
     experts_only = Budget.parse(expert_budget, "--expert-budget") if expert_budget is not None else None
@@ -153,10 +150,7 @@ def build_engine(
                         window=window, prefetch_slots=0 if full else slots)
     if preload and full:
         _preload(cache, sorted(loaded.experts))
-    model = MoEModel(loaded, cache, backend, ops)
-    # on a device each guess costs a router launch and a host sync: not measured there yet
-    model.lookahead = lookahead and not full and not backend.on_device and cache.prefetch_slots > 0
-    return Engine(loaded, model, cache, plan, parsed, emulation)
+    return Engine(loaded, MoEModel(loaded, cache, backend, ops), cache, plan, parsed, emulation)
 
 
 def _note(message: str) -> None:

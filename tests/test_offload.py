@@ -220,3 +220,44 @@ def test_lfu_heap_picks_the_same_victim_as_a_full_scan():
         lfu.insert(key)
     assert evictions > 500
     assert len(lfu._heap) <= 4 * len(lfu.resident) + 65  # superseded entries do not pile up
+
+
+class _HeldReads:
+    """A store whose reads complete only when the test says so; remembers what was submitted."""
+
+    def __init__(self):
+        from concurrent.futures import Future
+
+        self.submitted: list[tuple[int, int]] = []
+        self.futures = {}
+        self._future = Future
+
+    @staticmethod
+    def weights():
+        from s2moe.runtime.offload.experts import ExpertWeights
+
+        return ExpertWeights(*(np.zeros((2, 2), np.float32) for _ in range(3)))
+
+    def submit(self, layer, experts):
+        for e in experts:
+            self.submitted.append((layer, e))
+        return [self.futures.setdefault((layer, e), self._future()) for e in experts]
+
+    def stored_bytes(self, layer, expert):
+        return 48
+
+
+@pytest.mark.parametrize("window,first_reads", [(4, [1, 2, 3]), (2, [1, 2])])
+def test_a_layers_reads_are_queued_before_its_resident_experts_are_computed(window, first_reads):
+    """The resident group is handed out with the first ``window`` reads already in flight, so the
+    caller's compute on it overlaps them; the rest follow as they land, each read once."""
+    store = _HeldReads()
+    cache = ExpertCache(store, capacity_bytes=None, window=window)
+    cache.hold((0, 0), store.weights())
+    groups = cache.stream(0, [0, 1, 2, 3])
+    assert [e for e, _ in next(groups)] == [0]
+    assert store.submitted == [(0, e) for e in first_reads]
+    for e in (1, 2, 3):
+        store.futures.setdefault((0, e), store._future()).set_result(store.weights())
+    assert sorted(e for group in groups for e, _ in group) == [1, 2, 3]
+    assert store.submitted == [(0, 1), (0, 2), (0, 3)]

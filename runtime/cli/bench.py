@@ -30,7 +30,6 @@ def bench(
     draft_fallback: str = typer.Option("best", "--draft-fallback", help="A draft token whose experts are all absent: best (the best resident expert) or skip (no experts in that layer)."),
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
-    no_lookahead: bool = typer.Option(False, "--no-lookahead", help="Do not read the next MoE layer's likely experts while a layer computes."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the cost constants fixed instead of following the passes the run makes."),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     seed: Optional[int] = typer.Option(0, "--seed"),
@@ -95,7 +94,7 @@ def bench(
                                            "backend": arrays, "offload_tier": offload_tier,
                                            "expert_budget": expert_budget, "kernels": kernels, "threads": threads,
                                            "preload": True, "budget_from": chosen.budget_from,
-                                           "trim_hot": chosen.trim_hot, "lookahead": not no_lookahead},
+                                           "trim_hot": chosen.trim_hot},
                                 progress=lambda name: progress.update(task, advance=1, description=name),
                                 estimate=estimate_costs, live=not no_live_costs, trace=recorder)
         emulated = records[0].params.get("emulation")

@@ -32,7 +32,6 @@ def run(
     draft_fallback: str = typer.Option("best", "--draft-fallback", help="A draft token whose experts are all absent: best (the best resident expert) or skip (no experts in that layer)."),
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
-    no_lookahead: bool = typer.Option(False, "--no-lookahead", help="Do not read the next MoE layer's likely experts while a layer computes."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the profile's (or start-up) cost constants fixed instead of following the passes this run makes."),
     no_share_kv: bool = typer.Option(False, "--no-share-kv", help="Ablation: the draft keeps its own KV cache."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy (argmax). Default: the model's generation_config.json, else 0."),
@@ -95,8 +94,7 @@ def run(
                              batch=max(len(ids) if len(ids) < 64 else 64, 1 + 2 * settings.draft_cap),
                              cache_policy=cache_policy, emulate_bandwidth=emulate_bandwidth,
                              emulate_latency=emulate_latency, offload_tier=offload_tier,
-                             expert_budget=expert_budget, kernels=kernels, threads=threads,
-                             lookahead=not no_lookahead)
+                             expert_budget=expert_budget, kernels=kernels, threads=threads)
         costs = chosen.profile.costs if chosen.profile is not None else None
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
             costs = estimate_costs(engine.model, ids, settings_policy(settings))
@@ -232,11 +230,9 @@ def fit_context(prompt_tokens: int, max_tokens: int, context: int) -> int:
 
 
 def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch: int, *, cache_policy: str,
-                emulate_bandwidth, emulate_latency: float, offload_tier, expert_budget, kernels: str, threads,
-                lookahead: bool = True):
-    """The engine for one model and method as `run` and `serve` build it: the profile's tier and
-    fetch threads unless flags say otherwise; prefetch slots where drafts predict (2 × top-k),
-    else top-k for the layer lookahead (one token's next-layer experts), else none."""
+                emulate_bandwidth, emulate_latency: float, offload_tier, expert_budget, kernels: str, threads):
+    """The engine for one model and method as `run`, `serve` and `bench` build it: the profile's tier
+    and fetch threads unless flags say otherwise, prefetch slots only where drafts predict."""
     from ..engine import build_engine, engine_tier
 
     device = (chosen.profile.data.get("device") or {}) if chosen.profile is not None else {}
@@ -247,8 +243,7 @@ def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch
                           fetch_threads=offload.get("fetch_threads"), expert_budget=expert_budget,
                           kernels=kernels, threads=threads, preload=True, budget_from=chosen.budget_from,
                           trim_hot=chosen.trim_hot, batch=batch,
-                          prefetch_slots=None if spec.admit != "none" and settings.prefetch else
-                          loaded.config.top_k if lookahead else 0, lookahead=lookahead)
+                          prefetch_slots=0 if spec.admit == "none" or not settings.prefetch else None)
     if engine.model.ops.reason.startswith("auto: the compiled"):
         say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")
     if engine.emulation.active:

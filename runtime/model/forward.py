@@ -85,12 +85,6 @@ class MoEModel:
 
             experts = ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None, place=backend.upload_expert)
         self.experts = experts
-        # read the next MoE layer's likely experts while this layer computes (engine.py turns it on
-        # under a budget): its router on this layer's residual stream, which changes little from
-        # one layer to the next; outputs never depend on it (reads only change what is resident)
-        self.lookahead = False
-        moe = [L for L in range(self.config.num_layers) if self.config.moe_layers[L]]
-        self._next_moe = dict(zip(moe, moe[1:]))
         self._inv_freq, self._rope_factor = rope.inv_freq_and_factor(self.config)
         self._attention_kind = ATTENTION[self.config.attention]
         self.split: TimeSplit | _NoSplit = _NoSplit()
@@ -106,10 +100,9 @@ class MoEModel:
         return self._attention_kind(self.config, self.W, self.ops, L, x, start, kv, (cos, sin), allowed)
 
     def _moe(self, L: int, x: np.ndarray, policy: RoutingPolicy, record: RoutingRecord | None,
-             norm=None, h=None) -> np.ndarray:
+             norm=None) -> np.ndarray:
         """The routed (and shared) experts' output on ``x``. With ``norm`` (a device pass with fused
-        kernels), ``x`` is the residual stream h: h + the experts on RMSNorm(h, norm). ``h``: the
-        residual stream x was normed from (the next layer's lookahead reads it)."""
+        kernels), ``x`` is the residual stream h: h + the experts on RMSNorm(h, norm)."""
         c, W, host = self.config, self.W, self._host
         p = f"layers.{L}."
         residual = None
@@ -132,38 +125,15 @@ class MoEModel:
             if record is not None:
                 record.layers[L] = LayerRouting(logits, experts, weights)
         grouped = residual is not None and not c.shared_expert_intermediate_size
-        ahead = self._lookahead(L, h if residual is None else residual, policy)
         with self.split.part("experts"):
-            out = self._experts_grouped(L, x, experts, weights, residual, ahead) if grouped else \
-                self._experts(L, x, experts, weights, ahead)
+            out = self._experts_grouped(L, x, experts, weights, residual) if grouped else \
+                self._experts(L, x, experts, weights)
         if c.shared_expert_intermediate_size:  # dense, resident: not through the expert cache
             with self.split.part("shared_experts"):
                 out += self._dense_mlp(L, x, "shared_")
         return out if grouped or residual is None else residual + out
 
-    def _lookahead(self, L: int, h, policy: RoutingPolicy):
-        """A callable that starts reading the experts the next MoE layer will likely route to (its
-        router, gating bias and top-k on ``h``), or None: no lookahead, no next MoE layer, or a
-        pass that reads nothing (a draft restricted to resident experts)."""
-        nxt = self._next_moe.get(L)
-        prefetch = getattr(self.experts, "prefetch", None)
-        if not self.lookahead or nxt is None or h is None or prefetch is None or policy.allowed is not None:
-            return None
-
-        def start() -> None:
-            c, p = self.config, f"layers.{nxt}."
-            x = self.ops.rms_norm(h, self.W[p + "ffn_norm"], c.rms_norm_eps)
-            logits = self.backend.to_host(self.ops.linear(x, self.W[p + "router"], self.W.get(p + "router_bias")))
-            bias = policy.selection_bias(nxt, logits) if policy.selection_bias else None
-            groups = (c.expert_groups, c.expert_groups_used) if c.expert_groups else None
-            experts, _ = route(logits, policy.k_for(nxt, c.top_k), c.router, c.norm_topk_prob, bias,
-                               scale=c.routed_scaling_factor, groups=groups,
-                               score_bias=self._host.get(p + "router_score_bias"))
-            prefetch([(nxt, e) for e in dict.fromkeys(experts.ravel().tolist()) if e >= 0], lookahead=True)
-
-        return start
-
-    def _experts(self, L: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, ahead=None) -> np.ndarray:
+    def _experts(self, L: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Tokens grouped by expert; each expert's weights fetched once for the whole pass. The
         resident experts are computed first, in one kernel call, while missing ones are read;
         then each group of fetched experts as it arrives.
@@ -189,28 +159,25 @@ class MoEModel:
                     for i, e in enumerate(ids)}
         xk = xp.repeat(x, k, axis=0)  # [T·k, H]: row t·k + j is token t's input for its j-th choice
         out = xp.zeros_like(xk)  # each row gets one expert's weighted output, added to 0: exact
-        for group in self._fetch_groups(L, list(rows), ahead):
+        for group in self._fetch_groups(L, list(rows)):
             for _, w in group:
                 self.backend.wait(w)  # its copy (device backends) may still be in flight
             self.ops.experts(xk, [(w, *rows[e]) for e, w in group], self.act, out)
         return out.reshape(T, k, -1).sum(axis=1)
 
-    def _fetch_groups(self, L: int, ids: list[int], ahead=None):
-        """The layer's experts as groups of (id, weights): resident first, then as reads land.
-        ``ahead`` runs once this layer's own reads are queued (the next layer's lookahead)."""
+    def _fetch_groups(self, L: int, ids: list[int]):
+        """The layer's experts as groups of (id, weights): resident first, then as reads land."""
         stream = getattr(self.experts, "stream", None)
-        if stream is None:
-            return [list(zip(ids, self.experts.get(L, ids)))]
-        return stream(L, ids, started=ahead) if ahead else stream(L, ids)
+        return stream(L, ids) if stream else [list(zip(ids, self.experts.get(L, ids)))]
 
-    def _experts_grouped(self, L: int, x, experts: np.ndarray, weights: np.ndarray, residual, ahead=None):
+    def _experts_grouped(self, L: int, x, experts: np.ndarray, weights: np.ndarray, residual):
         """``residual`` + the routed experts, on a device with fused kernels (kernels/device.py):
         one upload of the (token, weights) table and two launches (gate/up with SwiGLU, down with
         the weighted sum into the residual stream). For these short passes the experts are computed
         once every group has arrived: overlapping microseconds of compute with reads gains nothing,
         while a launch per group costs more."""
         found = _tokens_by_expert(experts, weights)
-        got = [item for group in self._fetch_groups(L, sorted(found), ahead) for item in group]
+        got = [item for group in self._fetch_groups(L, sorted(found)) for item in group]
         for _, w in got:
             self.backend.wait(w)  # its copy may still be in flight
         if not got:
@@ -305,7 +272,7 @@ class MoEModel:
                 continue
             x = ops.rms_norm(h, W[f"layers.{L}.ffn_norm"], c.rms_norm_eps)
             if c.moe_layers[L]:
-                h = h + self._moe(L, x, policy, rec, h=h)
+                h = h + self._moe(L, x, policy, rec)
             else:
                 with self.split.part("dense_mlp"):
                     h = h + self._dense_mlp(L, x)

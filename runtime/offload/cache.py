@@ -57,8 +57,7 @@ class PhaseStats:
 
 @dataclass
 class PrefetchStats:
-    """Experts read ahead of the pass that needs them: draft-guided (for verification) or a
-    layer's lookahead (for the next MoE layer of the same pass); each kind keeps its own."""
+    """Draft-guided prefetch: experts read ahead of the verification pass that needs them."""
 
     issued: int = 0
     used: int = 0  # served a verification miss (no read on the critical path, or a shorter one)
@@ -202,9 +201,7 @@ class ExpertCache:
         self.window = max(1, window)
         self.prefetch_slots = prefetch_slots  # experts read ahead at most (0: no prefetch)
         self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
-        self._lookahead: set[Key] = set()  # of those, a layer's lookahead: settled when its pass ends
         self.prefetch_stats = PrefetchStats()
-        self.lookahead_stats = PrefetchStats()
         self.held: dict[Key, ExpertWeights] = {}
         self._by_layer: dict[int, set[int]] = defaultdict(set)  # resident experts per layer
         self.pinned: set[Key] = set()
@@ -231,8 +228,6 @@ class ExpertCache:
             self.trace.append([self.phase, int(n_tokens), []])
 
     def end_pass(self) -> None:
-        if self._lookahead:  # guesses for a layer this pass has passed: keep what free space holds
-            self._settle([key for key in self._prefetched if key in self._lookahead])
         if self._pass_keys is not None:
             s = self.stats[self.phase]
             s.passes += 1
@@ -324,11 +319,11 @@ class ExpertCache:
         got = dict(item for group in self.stream(layer, experts, window=len(experts) or 1) for item in group)
         return [got[int(e)] for e in experts]
 
-    def stream(self, layer: int, experts: Sequence[int], window: int | None = None, started=None
+    def stream(self, layer: int, experts: Sequence[int], window: int | None = None
                ) -> Iterator[list[tuple[int, ExpertWeights]]]:
-        """Groups of (expert, weights): the resident ones first, then the missing ones in the order
-        their reads complete, at most ``window`` (default: the cache's) in flight. ``started`` is
-        called once all of this layer's reads are queued (so reads it starts queue behind them)."""
+        """Groups of (expert, weights): the resident ones first (the first reads already queued),
+        then the missing ones in the order their reads complete, at most ``window`` (default: the
+        cache's) in flight."""
         stats = self.stats[self.phase]
         keys = [(layer, int(e)) for e in experts]
         if self._pass_keys is not None:
@@ -349,8 +344,6 @@ class ExpertCache:
         for key in missing:
             self.policy.access(key)
         if not missing:
-            if started:
-                started()
             if hits:
                 yield hits
             return
@@ -362,26 +355,18 @@ class ExpertCache:
         pending = deque(key for key in missing if key not in dict(ahead))
         inflight = deque((key, future) for key, (future, _, _) in ahead)
         issued = {key: (t, done) for key, (_, t, done) in ahead}
-        owner = {key: self._owner(key) for key, _ in ahead}
-        for key, _ in ahead:
-            owner[key].used += 1
-            self._lookahead.discard(key)
+        self.prefetch_stats.used += len(ahead)
 
         def fill() -> None:  # keep up to ``window`` reads of our own in flight
             while pending and len(inflight) < window + len(issued):
                 key = pending.popleft()
                 inflight.append((key, submit(layer, [key[1]])[0] if submit else self.store.read_many(layer, [key[1]])[0]))
 
-        def announce() -> None:  # once: reads ``started`` starts queue behind all of this layer's
-            nonlocal started
-            if started and not pending:
-                started, call = None, started
-                call()
-
+        # the first reads start before the caller computes the resident experts, so the two overlap
+        # (yielding the hits first and reading after cost AR 1.1-1.2x on the widened model)
         t0 = time.perf_counter()
-        fill()  # the first reads start before the caller computes the resident experts: they overlap
-        stats.fetch_seconds += time.perf_counter() - t0  # (without fetch threads, the reads themselves)
-        announce()
+        fill()
+        stats.fetch_seconds += time.perf_counter() - t0  # (without fetch threads: the reads themselves)
         if hits:
             yield hits
         while pending or inflight:
@@ -394,8 +379,8 @@ class ExpertCache:
                 w = self.place(item.result() if hasattr(item, "result") else item)
                 if key in issued:  # a prefetch: how much of its read the pass did not wait for
                     t_issue, done = issued.pop(key)
-                    owner[key].waited_seconds += max(0.0, (done[0] if done else waited) - waited)
-                    owner[key].read_seconds += (done[0] if done else time.perf_counter()) - t_issue
+                    self.prefetch_stats.waited_seconds += max(0.0, (done[0] if done else waited) - waited)
+                    self.prefetch_stats.read_seconds += (done[0] if done else time.perf_counter()) - t_issue
                 stats.bytes_read += self.store.stored_bytes(*key)
                 if self._make_room(key, w.nbytes, protected):
                     self._keep(key, w)
@@ -406,7 +391,6 @@ class ExpertCache:
                 self._land(group)
             stats.fetch_seconds += time.perf_counter() - t0  # time the pass waited for reads
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
-            announce()
             yield group
 
     def _land(self, group) -> None:
@@ -417,14 +401,10 @@ class ExpertCache:
         if land is not None:
             land([w for _, w in group])
 
-    # -- prefetch: draft-guided, and a layer's lookahead ---------------------------------------------
-    def _owner(self, key: Key) -> PrefetchStats:
-        return self.lookahead_stats if key in self._lookahead else self.prefetch_stats
-
-    def prefetch(self, keys: Iterable[Key], lookahead: bool = False) -> int:
+    # -- draft-guided prefetch --------------------------------------------------------------------
+    def prefetch(self, keys: Iterable[Key]) -> int:
         """Start reading experts a coming pass will need (a draft's prediction of verification's
-        experts; with ``lookahead``, a layer's guess at the next layer's, settled when the pass
-        ends) on the fetch threads, at most ``prefetch_slots`` at a time; `stream` then finds
+        experts) on the fetch threads, at most ``prefetch_slots`` at a time; `stream` then finds
         them in flight or read. Returns how many reads started."""
         submit = getattr(self.store, "submit", None)
         if submit is None or self.prefetch_slots <= 0:
@@ -440,26 +420,19 @@ class ExpertCache:
             if hasattr(future, "add_done_callback"):
                 future.add_done_callback(lambda _f, done=done: done.append(time.perf_counter()))
             self._prefetched[key] = (future, time.perf_counter(), done)
-            if lookahead:
-                self._lookahead.add(key)
             started += 1
-        (self.lookahead_stats if lookahead else self.prefetch_stats).issued += started
+        self.prefetch_stats.issued += started
         return started
 
     def settle_prefetches(self) -> None:
         """After the pass they were for: read ones are kept if free space holds them (nothing is
         evicted for a guess), the rest dropped; unstarted reads are cancelled."""
-        self._settle(list(self._prefetched))
-
-    def _settle(self, keys: list[Key]) -> None:
-        for key in keys:
-            future, _, _ = self._prefetched.pop(key)
-            stats = self._owner(key)
-            self._lookahead.discard(key)
+        for key, (future, _, _) in list(self._prefetched.items()):
+            del self._prefetched[key]
             if hasattr(future, "done") and not future.done():
-                stats.wasted += 1
+                self.prefetch_stats.wasted += 1
                 if not future.cancel():  # started: it finishes in the background, its buffer dropped
-                    stats.wasted_bytes += self.store.stored_bytes(*key)
+                    self.prefetch_stats.wasted_bytes += self.store.stored_bytes(*key)
                     self.stats["prefetch"].bytes_read += self.store.stored_bytes(*key)
                 continue
             w = future.result() if hasattr(future, "result") else future
@@ -467,10 +440,10 @@ class ExpertCache:
             if key not in self.held and (self.capacity is None or self.resident_bytes + w.nbytes <= self.capacity):
                 self.policy.access(key)
                 self._keep(key, self.place(w))
-                stats.kept += 1
+                self.prefetch_stats.kept += 1
             else:
-                stats.wasted += 1
-                stats.wasted_bytes += self.store.stored_bytes(*key)
+                self.prefetch_stats.wasted += 1
+                self.prefetch_stats.wasted_bytes += self.store.stored_bytes(*key)
 
     @property
     def prefetching(self) -> int:
@@ -494,7 +467,6 @@ class ExpertCache:
         return {
             **({"read_buffers": pool.stats()} if pool is not None else {}),
             "prefetch": self.prefetch_stats.to_dict(),
-            "lookahead": self.lookahead_stats.to_dict(),
             "policy": self.policy.name,
             "capacity_bytes": self.capacity,
             "pinned": len(self.pinned),
