@@ -1,8 +1,8 @@
 """Two settings of `s2moe bench` on the same prompts, taking turns: the paired ratio B / A.
 
-    python benchmarks/ab.py --label lookahead --a=--no-lookahead --b= --reps 5 \
-        -- --model WIDENED --methods ar,s2moe --budget 0.25 -w humaneval --n-prompts 3
-    python benchmarks/ab.py --label live-vs-stale --a=--no-live-costs --b= --reps 3 \
+    python benchmarks/ab.py --label prefetch --a=--no-prefetch --b= --reps 5 --out docs/results/prefetch \
+        -- --model WIDENED --methods s2moe --budget 0.25 -w humaneval --n-prompts 3
+    python benchmarks/ab.py --label live-vs-stale --a=--no-live-costs --b= --reps 3 --out docs/results/live \
         -- --model WIDENED --methods s2moe --profile P.json --emulate-bandwidth 200 --emulate-latency 300
 
 Everything after ``--`` goes to both runs; ``--a`` and ``--b`` add each side's own flags (split
@@ -10,10 +10,12 @@ like a shell line), and ``--a-rev`` / ``--b-rev`` run that side on the code of a
 clean copy with the built extension, first on its import path) instead of the installed one:
 
     python benchmarks/ab.py --label reads-first --a-name before --a-rev b247cfd --b-name after \
+        --out docs/results/read-overlap/widened-0.25 \
         -- --model WIDENED --methods ar,s2moe --budget 0.25 -w humaneval --n-prompts 3
- A repetition runs A then B, the next B then A, and so on: this machine drifts
-by tens of percent within seconds, so only ratios within a repetition mean anything. For each
-method the figure is B's aggregate decode tok/s over A's, per repetition, with the median.
+
+A repetition runs A then B, the next B then A, and so on: this machine drifts by tens of percent
+within seconds, so only ratios within a repetition mean anything. For each method the figure is
+B's aggregate decode tok/s over A's, per repetition, with the median.
 
 Writes ``--out``.json / .csv (raw samples, acceptance, MB fetched per token, the constants each run
 ended with, machine, commit) and prints a markdown table. Nothing else may run beside it.
@@ -87,12 +89,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", required=True, help="output stem (.json and .csv are added)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.reps < 1 or args.a_name == args.b_name:
+        raise SystemExit("error: --reps must be at least 1 and the two sides need different names")
     sides = {args.a_name: shlex.split(args.a), args.b_name: shlex.split(args.b)}
-    scratch = tempfile.mkdtemp(prefix="s2moe-ab-code-")
-    code = {name: copy_of(rev, os.path.join(scratch, name)) if rev else None
-            for name, rev in ((args.a_name, args.a_rev), (args.b_name, args.b_rev))}
     runs: dict[str, list[dict[str, dict]]] = {name: [] for name in sides}
+    scratch = tempfile.mkdtemp(prefix="s2moe-ab-code-")
     try:
+        code = {name: copy_of(rev, os.path.join(scratch, name)) if rev else None
+                for name, rev in ((args.a_name, args.a_rev), (args.b_name, args.b_rev))}
         for rep in range(args.reps):
             for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
                 runs[name].append(bench_once(common, sides[name], code[name]))

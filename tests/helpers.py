@@ -107,6 +107,13 @@ def invoke(app, *args) -> tuple[int, str, str]:
     return r.exit_code, r.stdout, r.stderr
 
 
+def s2moe(*args) -> tuple[int, str, str]:
+    """Run an `s2moe` command in-process: (exit code, stdout, stderr)."""
+    from s2moe.runtime.cli import app
+
+    return invoke(app, *args)
+
+
 def one_line_error(code, stderr, *needles, exit_code=2) -> None:
     """The documented outcome of bad input: exactly one `error: ` line holding each needle."""
     lines = stderr.strip().splitlines()

@@ -1,8 +1,8 @@
-"""docs/reliability.md's GGUF rows: a hostile GGUF header gets its documented one-line error and
-exit 2 (counts past the file, strings past its end, duplicate names and keys, overlapping data,
-nesting, alignment), and the valid layouts the parser must not refuse still load (tensor table
-out of offset order, version 2, a header past the first MiB read). Cases edit a real converted
-file byte by byte, located by a small walker written from the GGUF specification.
+"""Hostile GGUF headers get one-line errors and exit 2 (the GGUF rows of docs/reliability.md:
+counts past the file, strings past its end, duplicate names and keys, overlapping data), nesting,
+alignment and block rows are refused, and the valid layouts a strict parser might refuse still load
+(tensor table out of offset order, version 2, a header past the first MiB read). Cases edit a real
+converted file byte by byte, located by a small walker written from the GGUF specification.
 """
 
 from __future__ import annotations
@@ -13,15 +13,10 @@ import struct
 import numpy as np
 import pytest
 
-from s2moe.runtime.cli import app
 from s2moe.runtime.errors import S2MoEError
 from s2moe.runtime.model.loader import load_model
 
-from helpers import invoke, one_line_error
-
-
-def s2moe(*args):
-    return invoke(app, *args)
+from helpers import one_line_error, s2moe
 
 
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -207,7 +202,7 @@ def test_a_gguf_alignment_that_is_not_a_power_of_two_is_one_line(tiny_gguf, tmp_
     one_line_error(code, stderr, "general.alignment", "not a power of two", "bad.gguf")
 
 
-def test_a_quantized_tensor_whose_rows_do_not_fill_blocks_is_one_line(tmp_path):
+def test_a_quantized_tensor_whose_rows_do_not_fill_blocks_is_refused(tmp_path):
     """Q8_0 packs 32 values a block, row by row. A 64 × 24 tensor loads; the same 1,536 values
     relabelled 48 × 32 fill 48 blocks in all, but no row fills whole blocks: refused."""
     import gguf

@@ -53,7 +53,7 @@ def test_a_single_token_verification_is_an_ar_step_for_t_ar():
     assert live.t_ar.n == 0 and live.current().t_ar == PRIOR.t_ar
     live.observe_verify(1, 2, 10, 0.02)  # [root] alone: an empty draft's verification is one
     assert live.t_ar.n == 1
-    assert live.current().t_ar == (0.02 + PRIOR.t_ar * live.prior_passes) / (1 + live.prior_passes)
+    assert live.current().t_ar == pytest.approx((0.02 + PRIOR.t_ar * live.prior_passes) / (1 + live.prior_passes))
 
 
 def test_the_prior_weighs_each_feature_in_its_own_units():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -226,11 +227,8 @@ class _HeldReads:
     """A store whose reads complete only when the test says so; remembers what was submitted."""
 
     def __init__(self):
-        from concurrent.futures import Future
-
         self.submitted: list[tuple[int, int]] = []
-        self.futures = {}
-        self._future = Future
+        self.futures: dict[tuple[int, int], Future] = {}
 
     @staticmethod
     def weights():
@@ -241,7 +239,7 @@ class _HeldReads:
     def submit(self, layer, experts):
         for e in experts:
             self.submitted.append((layer, e))
-        return [self.futures.setdefault((layer, e), self._future()) for e in experts]
+        return [self.futures.setdefault((layer, e), Future()) for e in experts]
 
     def stored_bytes(self, layer, expert):
         return 48
@@ -258,6 +256,19 @@ def test_a_layers_reads_are_queued_before_its_resident_experts_are_computed(wind
     assert [e for e, _ in next(groups)] == [0]
     assert store.submitted == [(0, e) for e in first_reads]
     for e in (1, 2, 3):
-        store.futures.setdefault((0, e), store._future()).set_result(store.weights())
+        store.futures.setdefault((0, e), Future()).set_result(store.weights())
     assert sorted(e for group in groups for e, _ in group) == [1, 2, 3]
     assert store.submitted == [(0, 1), (0, 2), (0, 3)]
+
+
+def test_a_prefetched_read_counts_in_the_window_and_an_early_stop_cancels_the_queued_reads():
+    store = _HeldReads()
+    cache = ExpertCache(store, capacity_bytes=None, window=1, prefetch_slots=2)
+    cache.hold((0, 0), store.weights())
+    assert cache.prefetch([(0, 1)]) == 1  # a draft's guess, in flight
+    groups = cache.stream(0, [0, 1, 2, 3])
+    assert [e for e, _ in next(groups)] == [0]
+    assert store.submitted == [(0, 1), (0, 2)]  # the prefetch, and one read of our own (window 1)
+    groups.close()  # the caller's compute failed: nothing it queued may keep a fetch thread busy
+    assert store.futures[(0, 1)].cancelled() and store.futures[(0, 2)].cancelled()
+    assert (0, 3) not in store.futures

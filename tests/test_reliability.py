@@ -15,19 +15,13 @@ import tracemalloc
 
 import pytest
 
-from s2moe.runtime.cli import app
 from s2moe.runtime.cli.errors import cli_errors
 from s2moe.runtime.errors import ExpertReadError, KVCacheError, S2MoEError
 from s2moe.runtime.model.loader import load_model
 
-from helpers import invoke, one_line_error
+from helpers import one_line_error, s2moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def s2moe(*args):
-    """Run an `s2moe` command in-process: (exit code, stdout, stderr)."""
-    return invoke(app, *args)
 
 
 # -- safetensors headers --------------------------------------------------------------------------

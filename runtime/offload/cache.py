@@ -363,35 +363,40 @@ class ExpertCache:
                 inflight.append((key, submit(layer, [key[1]])[0] if submit else self.store.read_many(layer, [key[1]])[0]))
 
         # the first reads start before the caller computes the resident experts, so the two overlap
-        # (yielding the hits first and reading after cost AR 1.1-1.2x on the widened model)
+        # (hits first, then reads, had cost AR 1.2-1.3x on the widened model: docs/performance.md)
         t0 = time.perf_counter()
         fill()
         stats.fetch_seconds += time.perf_counter() - t0  # (without fetch threads: the reads themselves)
-        if hits:
-            yield hits
-        while pending or inflight:
-            t0 = time.perf_counter()
-            fill()
-            group = []
-            while inflight and (not group or _done(inflight[0][1])):  # the next, and any others already read
-                key, item = inflight.popleft()
-                waited = time.perf_counter()
-                w = self.place(item.result() if hasattr(item, "result") else item)
-                if key in issued:  # a prefetch: how much of its read the pass did not wait for
-                    t_issue, done = issued.pop(key)
-                    self.prefetch_stats.waited_seconds += max(0.0, (done[0] if done else waited) - waited)
-                    self.prefetch_stats.read_seconds += (done[0] if done else time.perf_counter()) - t_issue
-                stats.bytes_read += self.store.stored_bytes(*key)
-                if self._make_room(key, w.nbytes, protected):
-                    self._keep(key, w)
-                else:
-                    stats.streamed += 1
-                group.append((key[1], w))
-            if not pending and not inflight:  # the last group: its copies (device) timed to completion
-                self._land(group)
-            stats.fetch_seconds += time.perf_counter() - t0  # time the pass waited for reads
-            self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
-            yield group
+        try:
+            if hits:
+                yield hits
+            while pending or inflight:
+                t0 = time.perf_counter()
+                fill()
+                group = []
+                while inflight and (not group or _done(inflight[0][1])):  # the next, and any others already read
+                    key, item = inflight.popleft()
+                    waited = time.perf_counter()
+                    w = self.place(item.result() if hasattr(item, "result") else item)
+                    if key in issued:  # a prefetch: how much of its read the pass did not wait for
+                        t_issue, done = issued.pop(key)
+                        self.prefetch_stats.waited_seconds += max(0.0, (done[0] if done else waited) - waited)
+                        self.prefetch_stats.read_seconds += (done[0] if done else time.perf_counter()) - t_issue
+                    stats.bytes_read += self.store.stored_bytes(*key)
+                    if self._make_room(key, w.nbytes, protected):
+                        self._keep(key, w)
+                    else:
+                        stats.streamed += 1
+                    group.append((key[1], w))
+                if not pending and not inflight:  # the last group: its copies (device) timed to completion
+                    self._land(group)
+                stats.fetch_seconds += time.perf_counter() - t0  # time the pass waited for reads
+                self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+                yield group
+        finally:  # a caller that stops early (an error in its compute) leaves no reads queued
+            for _, item in inflight:
+                if hasattr(item, "cancel"):
+                    item.cancel()
 
     def _land(self, group) -> None:
         """Wait until the device copies of a layer's fetched experts have landed (one host sync on
