@@ -44,15 +44,11 @@ CLI = "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); runpy.run_module(
 
 def copy_of(rev: str, dest: str) -> str:
     """A clean tree of ``rev`` importable as s2moe, with this checkout's built extension."""
-    import glob
-
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import mutate  # its make_copy: the same copies mutation testing and the stress loop use
 
     os.makedirs(dest)
     mutate.make_copy(rev, dest)
-    for so in glob.glob(os.path.join(ROOT, "s2moe", "_cpu*.so")):
-        shutil.copy2(so, os.path.join(dest, "s2moe"))
     return dest
 
 

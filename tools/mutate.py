@@ -47,7 +47,7 @@ def _git(*args: str) -> str:
 
 def make_copy(source: str, dest: str) -> None:
     """``worktree``: tracked and untracked-but-not-ignored files as they are on disk (plus built
-    extension modules); anything else: that git revision."""
+    extension modules); anything else: that git revision, plus this checkout's built extension."""
     if source == "worktree":
         files = _git("ls-files", "-co", "--exclude-standard", "-z").split("\0")
         files += [f for f in _git("ls-files", "-oi", "--exclude-standard", "-z").split("\0")
@@ -61,6 +61,10 @@ def make_copy(source: str, dest: str) -> None:
     else:
         archive = subprocess.run(["git", "archive", source], cwd=ROOT, check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+        os.makedirs(os.path.join(dest, "s2moe"), exist_ok=True)
+        for name in os.listdir(os.path.join(ROOT, "s2moe")):  # the extension built here: not in git
+            if name.endswith((".so", ".pyd")):
+                shutil.copy2(os.path.join(ROOT, "s2moe", name), os.path.join(dest, "s2moe", name))
     os.makedirs(os.path.join(dest, "s2moe"), exist_ok=True)
     for name, folder in SHIM.items():
         link = os.path.join(dest, "s2moe", name)

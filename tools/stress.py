@@ -15,10 +15,8 @@ Nothing here times anything: do not run benchmarks while it runs (the machine is
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -50,9 +48,7 @@ def main() -> int:
     copy = os.path.join(args.logdir, "copy")
     if not os.path.exists(copy):
         os.makedirs(copy)
-        mutate.make_copy(commit, copy)
-        for so in glob.glob(os.path.join(mutate.ROOT, "s2moe", "_cpu*.so")):  # built here, not in git
-            shutil.copy2(so, os.path.join(copy, "s2moe"))
+        mutate.make_copy(commit, copy)  # with the extension built here (not in git)
     env = {**os.environ, "PYTHONPATH": copy}
     env.pop("S2MOE_DEBUG", None)
     summary = os.path.join(args.logdir, "summary.jsonl")
