@@ -126,7 +126,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
             params={"method": name, "workload": path.name, "budget": budget or "1.0", "n_prompts": len(ids),
                     "emulation": emulation,
                     "max_tokens": max_tokens, "draft_topk": settings.draft_topk, "draft_cap": settings.draft_cap,
-                    "temperature": params.temperature},
+                    "temperature": params.temperature, "draws": params.draws},
             extra={"acceptance_length": statistics.mean(a for a in acc if a is not None),
                    "reuse_ratio": statistics.mean(reuse) if reuse else None,
                    "bytes_fetched_per_token": fetched / max(tokens, 1),

@@ -47,6 +47,20 @@ def test_run_streams_text_and_summary(tiny_model_dirs):
     assert again.stdout == r.stdout  # seeded sampling is reproducible, seed 0 included (a falsy value)
 
 
+def test_a_seeded_sampled_run_prints_ars_text(tiny_model_dirs):
+    """A seed makes the sampler coupled: speculation without gating (ca: a fixed-length draft; AE
+    drafts nothing on the tiny models' flat laws), under a budget where the draft reads resident
+    experts only, prints the tokens --method ar prints for that seed."""
+    _, folder, _ = tiny_model_dirs["olmoe"]
+    common = ("run", "-m", folder, "-p", "import os", "-n", "16", "-t", "0.8", "--seed", "5", "--json")
+    spec = json.loads(s2moe(*common, "--method", "ca", "--budget", "0.5").stdout)
+    ar = json.loads(s2moe(*common, "--method", "ar").stdout)
+    assert spec["tokens"] == ar["tokens"] and spec["stats"]["sampling"]["draws"] == "coupled"
+    assert spec["stats"]["verifications"] > 0 and spec["stats"]["mean_draft_length"] > 0  # it did draft
+    standard = json.loads(s2moe(*common, "--method", "ca", "--sampler", "standard").stdout)
+    assert standard["stats"]["sampling"]["draws"] == "standard"
+
+
 def test_info_json(tiny_model_dirs):
     _, _, fused = tiny_model_dirs["mixtral"]
     r = s2moe("info", "--model", fused, "--json")

@@ -74,6 +74,32 @@ def test_greedy_speculation_without_gating_equals_ar(tiny_model_dirs, method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampled_speculation_without_gating_equals_seeded_ar(tiny_model_dirs, method):
+    """The coupled sampler (the default with a seed) makes sampled speculation as lossless as greedy:
+    the text is AR's text for the seed, under budgets, caps, cost constants and truncations."""
+    seen = []
+
+    @_settings(8)
+    @given(prompt=prompts, budget=budgets, cost=costs, seed=st.integers(0, 2 ** 32), cap=st.sampled_from(CAPS),
+           family=st.sampled_from(FAMILIES), threshold=thresholds,
+           truncation=st.sampled_from([{}, {"top_k": 40}, {"top_p": 0.9, "temperature": 0.7}]))
+    @example(prompt=[5, 17], budget="0.25", cost=EAGER, seed=1, cap=4, family="qwen3_moe", threshold=0.0,
+             truncation={})
+    def prop(prompt, budget, cost, seed, cap, family, threshold, truncation):
+        engine = build_engine(tiny_model_dirs[family][1], budget)
+        params = SamplingParams(**{"temperature": 1.0, **truncation}, seed=seed)
+        expected = generate_ar(engine.model, prompt, 14, params).tokens
+        dec = SpeculativeDecoder(engine.model, get_method(method, reuse_gating=False),
+                                 SpecSettings(draft_topk=1, draft_cap=cap, confidence_threshold=threshold), cost, params)
+        assert dec.generate(prompt, 14).tokens == expected
+        seen.append((dec.metrics.drafted, dec.metrics.accepted))
+
+    prop()
+    drafted, accepted = sum(d for d, _ in seen), sum(a for _, a in seen)
+    assert accepted > 0 and drafted > accepted, f"{method}: both verdicts must occur: {seen}"
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_committed_kv_equals_fresh_prefill(tiny_model_dirs, method):
     """After any run of draft/verify/rollback steps (greedy or sampled) the committed KV is exactly
     what a fresh target prefill of the committed text computes. Reuse-aware gating is off: it

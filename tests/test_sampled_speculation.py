@@ -1,5 +1,10 @@
 """Sampled speculative decoding reproduces the target distribution exactly (and seeds are honoured).
 
+Both samplers of `sampling.py` are tested: standard (accept with min(1, p/q), resample from
+max(p − q, 0)) and coupled (per-position Gumbel noise; a draft token is accepted iff it is the target's
+own draw). The coupled one promises more, and is tested for it: its text is AR's text for the seed,
+whatever was drafted (different cost constants, draft lengths, trees).
+
 `SpeculativeDecoder` runs for real (drafting, `_verify`, `_accept_chain`, KV rollback and commit)
 against `stub_model.StubModel`, whose target and draft next-token laws are known tables that differ
 by a total variation of 0.3–0.4 in every context. The empirical joint law of the first tokens of
@@ -10,10 +15,10 @@ positions 1..L and the bonus token (position L + 1, emitted only when every draf
 all inside the compared window; plus temperature/top-k truncation (alone, and under the confidence
 rule, which must read the truncated probability), the confidence rule, AE's
 utility rule with backoff, and the private-draft-KV baseline (``es``). Trees (two drafted branches)
-are verified greedily only (`SpeculativeDecoder.generate`: ``width = 1`` when sampling), so there is
-no sampled multi-draft path to test; the greedy tree is in test_speculative.py / test_properties.py.
+are drafted under greedy and coupled sampling only (standard sampling needs one law per token): the
+``es`` case's coupled run verifies two branches, and the coupled text equals AR's text there too.
 
-Sample counts come from a power calculation (``python tools/spec_power.py`` recomputes it). For each
+Sample counts come from a power calculation for the standard sampler (``python tools/spec_power.py`` recomputes it). For each
 fixed-length case the exact law of the compared tokens is computed by enumeration for the correct
 sampler and for four broken ones (accept every draft; resample from p instead of max(p − q, 0);
 accept with min(1, q/p); bonus token from the draft). The power of Pearson's chi-square at the
@@ -49,7 +54,7 @@ from stub_model import START, StubModel, exact_law, table_draft, table_target
 from s2moe.runtime.decoding.cost_model import CostConstants
 from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.decoding.methods import SpecSettings, get_method
-from s2moe.runtime.decoding.sampling import SamplingParams, probabilities
+from s2moe.runtime.decoding.sampling import SAMPLERS, SamplingParams, probabilities
 from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
 ALPHA = 1e-4  # false-alarm level of one case; seeds are fixed, so the outcome is deterministic
@@ -81,14 +86,14 @@ def truncated(table, params: SamplingParams):
     return dist
 
 
-def run_case(name: str, seeds=None):
+def run_case(name: str, sampler: str = "standard", seeds=None):
     """Counts of the compared tokens over seeded generations, the exact law and the decoder's metrics."""
     method, cap, temperature, top_k, n_tokens, n, costs, threshold = CASES[name]
     model = StubModel(table_target, table_draft, vocab=4)
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
     for seed in (range(n) if seeds is None else seeds):
-        params = SamplingParams(temperature=temperature, top_k=top_k, seed=seed)
+        params = SamplingParams(temperature=temperature, top_k=top_k, seed=seed, sampler=sampler)
         dec = SpeculativeDecoder(model, get_method(method, reuse_gating=False),
                                  SpecSettings(draft_topk=1, draft_cap=cap, confidence_threshold=threshold),
                                  costs, params)
@@ -127,26 +132,28 @@ def test_the_tables_differ_materially():
                 assert 0.5 * np.abs(p(ctx) - q(ctx)).sum() >= 0.2, (temperature, top_k, last, parity)
 
 
+@pytest.mark.parametrize("sampler", ["standard", "coupled"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_sampled_speculation_reproduces_the_target_law(name):
-    counts, law, drafted, accepted = run_case(name)
+def test_sampled_speculation_reproduces_the_target_law(name, sampler):
+    counts, law, drafted, accepted = run_case(name, sampler)
     impossible = {k: v for k, v in counts.items() if k not in law}
     assert not impossible, f"{name}: outcomes the target cannot produce: {impossible}"
-    # the accept and the residual branches both ran many times (the truncated confidence case
-    # accepts 9 %: its top-2 laws disagree; the others 20-90 %)
+    # the accept and the reject branches both ran many times (the truncated confidence case
+    # accepts 9 %: its top-2 laws disagree; the others 13-90 %)
     assert accepted >= 100 and drafted - accepted >= 100, (drafted, accepted)
     pvalue = chi_square_pvalue(counts, law)
     assert pvalue > ALPHA, f"{name}: the generated tokens do not follow the target law (p = {pvalue:.2e})"
 
 
-def test_every_draft_position_and_the_bonus_token_are_exercised():
+@pytest.mark.parametrize("sampler", ["standard", "coupled"])
+def test_every_draft_position_and_the_bonus_token_are_exercised(sampler):
     """With L = 4, verifications reject at each draft position 1..4 (the residual branch) and accept
     all four (the bonus token from the last verification row): the law test covers them all."""
     model = StubModel(table_target, table_draft, vocab=4)
     seen: dict[int, int] = {}
     for seed in range(200):
         dec = SpeculativeDecoder(model, get_method("ca"), SpecSettings(draft_topk=1, draft_cap=4), EAGER,
-                                 SamplingParams(temperature=1.0, seed=seed))
+                                 SamplingParams(temperature=1.0, seed=seed, sampler=sampler))
         accept = dec._accept_chain
 
         def spy(*args, **kwargs):
@@ -161,8 +168,9 @@ def test_every_draft_position_and_the_bonus_token_are_exercised():
 
 def test_the_draft_samples_from_its_own_truncated_law():
     """Lossless for any draft law, so the law test cannot see a draft that ignores temperature and
-    top-k; it would only accept less. Every drafted token's recorded law must be one of the stub's
-    draft laws after T 0.7 / top-2, hold the token, and give it the probability the rules read."""
+    top-k; it would only accept less. Every drafted token's recorded law (standard sampling records
+    it) must be one of the stub's draft laws after T 0.7 / top-2, hold the token, and give it the
+    probability the rules read."""
     params = SamplingParams(temperature=0.7, top_k=2)
     laws = [truncated(table_draft, params)(ctx) for ctx in [(START,)] + [(0,) * (1 + parity) + (last,)
                                                                     for last in range(3) for parity in range(2)]]
@@ -170,7 +178,7 @@ def test_the_draft_samples_from_its_own_truncated_law():
     rows = []
     for seed in range(40):
         dec = SpeculativeDecoder(model, get_method("ca"), SpecSettings(draft_topk=1, draft_cap=3), EAGER,
-                                 SamplingParams(temperature=0.7, top_k=2, seed=seed))
+                                 SamplingParams(temperature=0.7, top_k=2, seed=seed, sampler="standard"))
         accept = dec._accept_chain
 
         def spy(logits, d, *args, **kwargs):
@@ -186,24 +194,87 @@ def test_the_draft_samples_from_its_own_truncated_law():
 
 
 # -- seeds ----------------------------------------------------------------------------------------
-def _spec_tokens(seed, method="ca+ae"):
+def _spec_tokens(seed, method="ca+ae", sampler="auto", costs=EAGER, cap=3, n=24, **kw):
     model = StubModel(table_target, table_draft, vocab=4)
-    dec = SpeculativeDecoder(model, get_method(method), SpecSettings(draft_topk=1, draft_cap=3), EAGER,
-                             SamplingParams(temperature=1.0, seed=seed))
-    return dec.generate([START], 24).tokens
+    dec = SpeculativeDecoder(model, get_method(method), SpecSettings(draft_topk=1, draft_cap=cap), costs,
+                             SamplingParams(temperature=1.0, seed=seed, sampler=sampler, **kw))
+    return dec.generate([START], n).tokens
 
 
-def _ar_tokens(seed):
-    return generate_ar(StubModel(table_target, table_draft, vocab=4), [START], 24,
-                       SamplingParams(temperature=1.0, seed=seed)).tokens
+def _ar_tokens(seed, sampler="auto", n=24, **kw):
+    return generate_ar(StubModel(table_target, table_draft, vocab=4), [START], n,
+                       SamplingParams(temperature=1.0, seed=seed, sampler=sampler, **kw)).tokens
 
 
+@pytest.mark.parametrize("sampler", SAMPLERS)
 @pytest.mark.parametrize("generate", [_spec_tokens, _ar_tokens], ids=["speculative", "ar"])
-def test_same_seed_same_tokens_different_seeds_differ(generate):
-    assert generate(11) == generate(11)
-    assert generate(0) == generate(0)
-    outputs = {tuple(generate(seed)) for seed in range(8)}
+def test_same_seed_same_tokens_different_seeds_differ(generate, sampler):
+    assert generate(11, sampler=sampler) == generate(11, sampler=sampler)
+    assert generate(0, sampler=sampler) == generate(0, sampler=sampler)
+    outputs = {tuple(generate(seed, sampler=sampler)) for seed in range(8)}
     assert len(outputs) == 8  # 24 tokens of ~1.5 bits each: a collision would mean a seed is ignored
+
+
+# name: (method, draft cap, costs, confidence threshold, sampling options)
+COUPLED = {
+    "ca-L1": ("ca", 1, EAGER, 0.5, {}),
+    "ca-L4": ("ca", 4, EAGER, 0.5, {}),
+    "ca+ae": ("ca+ae", 3, PICKY, 0.5, {}),
+    "confidence": ("confidence", 3, EAGER, 0.35, {}),
+    "es-tree": ("es", 3, EAGER, 0.5, {}),
+    "ca-L3-T0.7-top2": ("ca", 3, EAGER, 0.5, {"temperature": 0.7, "top_k": 2}),
+    "ca-L3-top-p": ("ca", 3, EAGER, 0.5, {"top_p": 0.75}),
+}
+
+
+@pytest.mark.parametrize("name", list(COUPLED))
+def test_coupled_text_is_ar_text_for_the_seed(name):
+    """Whatever was drafted, accepted or rejected (trees included), a seed gives AR's tokens."""
+    method, cap, costs, threshold, opts = COUPLED[name]
+    drafted = accepted = 0
+    for seed in range(60):
+        params = SamplingParams(**{"temperature": 1.0, **opts}, seed=seed, sampler="coupled")
+        dec = SpeculativeDecoder(StubModel(table_target, table_draft, vocab=4), get_method(method, reuse_gating=False),
+                                 SpecSettings(draft_topk=1, draft_cap=cap, confidence_threshold=threshold), costs, params)
+        tokens = dec.generate([START], 12).tokens
+        assert tokens == generate_ar(StubModel(table_target, table_draft, vocab=4), [START], 12, params).tokens, seed
+        drafted, accepted = drafted + dec.metrics.drafted, accepted + dec.metrics.accepted
+    assert accepted >= 30 and drafted - accepted >= 30, (drafted, accepted)  # both verdicts, many times
+
+
+def test_a_seed_gives_one_text_whatever_the_draft_decisions():
+    """Issue 13's stress found `s2moe serve` answering one seeded request with two texts: AE's live
+    timings changed a draft decision between requests, and the standard sampler's draws moved. With a
+    seed the default sampler is coupled: decoders whose cost constants make AE draft differently (and
+    one that drafts nothing) give the same text, AR's."""
+    cheap = CostConstants(t_ar=0.004, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.0002)
+    for seed in range(20):
+        texts, drafts = set(), []
+        for costs, cap in [(EAGER, 3), (PICKY, 3), (cheap, 2), (EAGER, 6)]:
+            model = StubModel(table_target, table_draft, vocab=4)
+            dec = SpeculativeDecoder(model, get_method("ca+ae", reuse_gating=False),
+                                     SpecSettings(draft_topk=1, draft_cap=cap), costs,
+                                     SamplingParams(temperature=1.0, seed=seed))
+            texts.add(tuple(dec.generate([START], 16).tokens))
+            drafts.append(dec.metrics.drafted)
+        texts.add(tuple(_ar_tokens(seed, n=16)))
+        assert len(texts) == 1, (seed, texts)
+        assert len(set(drafts)) >= 3, drafts  # the decisions did differ
+
+
+@pytest.mark.parametrize("sampler", ["standard", "coupled"])
+def test_a_draft_equal_to_the_target_is_always_accepted(sampler):
+    """q = p: standard accepts with min(1, p/q) = 1, coupled draws the same token from the same noise.
+    A draft and a verification that read different positions' noise would reject about half."""
+    drafted = 0
+    for seed in range(30):
+        dec = SpeculativeDecoder(StubModel(table_target, table_target, vocab=4), get_method("ca", reuse_gating=False),
+                                 SpecSettings(draft_topk=1, draft_cap=3), EAGER,
+                                 SamplingParams(temperature=1.0, seed=seed, sampler=sampler))
+        dec.generate([START], 12)
+        assert dec.metrics.accepted == dec.metrics.drafted, (seed, dec.metrics.accepted, dec.metrics.drafted)
+        drafted += dec.metrics.drafted
+    assert drafted >= 200
 
 
 @pytest.mark.parametrize("extra", [{"top_p": 0.75}, {"min_p": 0.5}])
@@ -218,7 +289,7 @@ def test_sampled_speculation_honours_top_p_and_min_p(extra):
     rows = []
     for seed in range(150):
         dec = SpeculativeDecoder(model, get_method("ca", reuse_gating=False), SpecSettings(draft_topk=1, draft_cap=2),
-                                 EAGER, SamplingParams(temperature=1.0, seed=seed, **extra))
+                                 EAGER, SamplingParams(temperature=1.0, seed=seed, sampler="standard", **extra))
         accept = dec._accept_chain
 
         def spy(logits, d, *args, **kwargs):
@@ -236,3 +307,24 @@ def test_ar_through_the_decoder_draws_what_generate_ar_draws():
     """Method ar inside the speculative loop takes the same draws from the seed as generate_ar."""
     for seed in (0, 11):
         assert _spec_tokens(seed, method="ar") == _ar_tokens(seed)
+
+
+def test_a_coupled_tree_drafts_two_different_first_tokens():
+    """The second branch starts from the draft's second-best noisy score: never the first branch's
+    token (which a plain top-2 of the logits can be, since the noise moved the first pick)."""
+    trees = 0
+    for seed in range(20):
+        dec = SpeculativeDecoder(StubModel(table_target, table_draft, vocab=4), get_method("es"),
+                                 SpecSettings(draft_topk=1, draft_cap=3), EAGER, SamplingParams(temperature=1.0, seed=seed))
+        verify = dec._verify
+
+        def spy(root, P, branches, *args):
+            nonlocal trees
+            if len(branches) == 2:
+                assert branches[0].tokens[0] != branches[1].tokens[0], (seed, branches)
+                trees += 1
+            return verify(root, P, branches, *args)
+
+        dec._verify = spy
+        dec.generate([START], 12)
+    assert trees >= 40

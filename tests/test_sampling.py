@@ -2,12 +2,13 @@ import numpy as np
 import pytest
 
 from s2moe.runtime.errors import UsageError
-from s2moe.runtime.decoding.sampling import SamplingParams, probabilities, sample
+from s2moe.runtime.decoding.sampling import CoupledDraws, SamplingParams, StandardDraws, probabilities, sample
 
 
 def test_temperature_zero_is_argmax(rng):
     logits = rng.normal(size=50)
-    assert sample(logits, SamplingParams(), rng) == int(np.argmax(logits))
+    for draws in (StandardDraws(0), CoupledDraws(0)):
+        assert sample(logits, SamplingParams(), draws, 3) == int(np.argmax(logits))
 
 
 def test_truncations():
@@ -20,13 +21,55 @@ def test_truncations():
     np.testing.assert_allclose(p, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
 
 
-def test_sampling_follows_the_distribution():
+@pytest.mark.parametrize("kind", ["standard", "coupled"])
+def test_sampling_follows_the_distribution(kind):
+    """3000 draws (one generator's, or one seed's 3000 positions) have the law p: ±3.3 sd."""
     # seeds are the decoders' business: test_sampled_speculation.py::test_same_seed_same_tokens_different_seeds_differ
     logits = np.log(np.array([0.6, 0.3, 0.1]))
     params = SamplingParams(temperature=1.0, seed=7)
-    draws = [sample(logits, params, np.random.default_rng(i)) for i in range(3000)]
-    freq = np.bincount(draws, minlength=3) / 3000
+    draws = StandardDraws(7) if kind == "standard" else CoupledDraws(7)
+    tokens = [sample(logits, params, draws, j) for j in range(3000)]
+    freq = np.bincount(tokens, minlength=3) / 3000
     np.testing.assert_allclose(freq, [0.6, 0.3, 0.1], atol=0.03)
+
+
+def test_coupled_draws_depend_on_seed_and_position_only():
+    """Position j's token does not depend on what was drawn before, or from which law: the target's
+    draw at j is the same whether a draft drew at j first or not."""
+    p = np.array([0.2, 0.3, 0.1, 0.4])
+    q = np.array([0.5, 0.1, 0.3, 0.1])
+    fresh = [CoupledDraws(3).token(p, j) for j in range(40)]
+    busy = CoupledDraws(3)
+    mixed = []
+    for j in range(40):
+        busy.token(q, j + 1), busy.token(q, j)  # a draft looking ahead, in either order
+        mixed.append(busy.token(p, j))
+        busy.forget_before(j)
+    assert fresh == mixed
+    assert fresh != [CoupledDraws(4).token(p, j) for j in range(40)]  # another seed, other tokens
+    assert len(set(fresh)) == 4  # positions get independent noise (one shared g would repeat one token)
+
+
+def test_coupled_agreement_rate_is_the_gumbel_coupling_rate():
+    """Draft and target agree at a position with probability Σ_i 1 / Σ_j max(p_j/p_i, q_j/q_i) (i wins
+    both argmaxes iff g_i − g_j ≥ log max(p_j/p_i, q_j/q_i) for every j). Here (TV 0.5) that is 0.493,
+    just below standard speculation's Σ min(p, q) = 0.5; independent draws would agree with Σ p·q = 0.2."""
+    p = np.array([0.2, 0.3, 0.1, 0.4])
+    q = np.array([0.5, 0.1, 0.3, 0.1])
+    exact = sum(1 / np.maximum(p / p[i], q / q[i]).sum() for i in range(4))
+    assert abs(exact - 0.4929) < 0.0001 and (1 - 0.5) / (1 + 0.5) <= exact <= 0.5  # the (1 − TV)/(1 + TV) bound
+    n = 4000
+    draws = CoupledDraws(11)
+    agree = sum(draws.token(p, j) == draws.token(q, j) for j in range(n))
+    assert abs(agree / n - exact) < 4 * np.sqrt(exact * (1 - exact) / n), (agree / n, exact)
+
+
+@pytest.mark.parametrize("kw, coupled", [(dict(temperature=1.0, seed=0), True), (dict(temperature=1.0), False),
+                                         (dict(temperature=1.0, sampler="coupled"), True),
+                                         (dict(temperature=1.0, seed=0, sampler="standard"), False),
+                                         (dict(temperature=0.0, seed=0, sampler="coupled"), False)])
+def test_auto_sampler_is_coupled_when_a_seed_is_given(kw, coupled):
+    assert SamplingParams(**kw).coupled is coupled
 
 
 def test_temperature_scales_the_logits():
@@ -64,7 +107,8 @@ def test_top_k_one_is_argmax_sampling():
     np.testing.assert_array_equal(p, [0, 1, 0])
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(min_p=1.0), dict(top_k=-1)])
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(min_p=1.0), dict(top_k=-1),
+                                dict(sampler="gumbel")])
 def test_bad_params_raise_usage_error(kw):
     with pytest.raises(UsageError):
         SamplingParams(**kw)

@@ -117,7 +117,8 @@ def test_prompt_from_stdin_and_file(tmp_path):
     filed = json.loads(s2moe("run", "-f", str(tmp_path / "p.txt"), "-n", "4", "-t", "0", "--method", "ar",
                              "--json").stdout)
     assert ref["tokens"] == piped["tokens"] == filed["tokens"]
-    assert ref["stats"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 0.95, "min_p": 0.0, "seed": None}
+    assert ref["stats"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 0.95, "min_p": 0.0, "seed": None,
+                                         "draws": "greedy"}
 
 
 def test_prompt_that_is_not_utf8_is_one_line(tmp_path):

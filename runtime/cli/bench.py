@@ -33,6 +33,7 @@ def bench(
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the cost constants fixed instead of following the passes the run makes."),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     seed: Optional[int] = typer.Option(0, "--seed"),
+    sampler: str = typer.Option("auto", "--sampler", help="Sampled speculation: coupled (a seed gives AR's text whatever was drafted), standard (accepts more; the text can follow draft decisions) or auto (coupled with --seed, else standard)."),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
     emulate_latency: float = typer.Option(0.0, "--emulate-latency", help="Emulated request latency µs."),
     backend: str = typer.Option("auto", "--backend", help="auto (CuPy when a CUDA device is usable, else NumPy), numpy or cupy."),
@@ -78,7 +79,7 @@ def bench(
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch)
-        params = SamplingParams(temperature=temperature, seed=seed)
+        params = SamplingParams(temperature=temperature, seed=seed, sampler=sampler)
         recorder = None
         if trace_path:
             from ..decoding.trace import TraceRecorder

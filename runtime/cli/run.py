@@ -39,6 +39,7 @@ def run(
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p × the top probability."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (-1 or absent: a fresh random one)."),
+    sampler: str = typer.Option("auto", "--sampler", help="Sampled speculation: coupled (a seed gives AR's text whatever was drafted), standard (accepts more; the text can follow draft decisions) or auto (coupled with --seed, else standard)."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget for the model (dense + experts + KV + workspace): 16g, 512m, or a share of the experts (0.25) on top of the rest. Default: everything resident."),
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Memory for resident experts only (same forms as --budget)."),
     kernels: str = typer.Option("auto", "--kernels", help="auto (compiled CPU kernels when built), cpu, or numpy (the reference path)."),
@@ -78,7 +79,7 @@ def run(
             say(f"note: --no-rg has no effect: --method {method} does not use reuse-aware gating", "yellow")
         arrays = select_backend(backend)
         loaded = load_model(resolve_model(model), dense=False)  # the engine plans memory, then loads
-        params = sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed)
+        params = sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed, sampler)
         chosen = apply_profile(profile, loaded, budget, hot_experts)
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
@@ -124,7 +125,8 @@ def run(
         live = live_report(decoder, profile if chosen.profile is not None else None, record_passes)
         stats = {**result.stats(), **_per_token(report, len(result.tokens)), "method": spec.name, "live_costs": live,
                  "context": context, "sampling": {"temperature": params.temperature, "top_k": params.top_k,
-                                                  "top_p": params.top_p, "min_p": params.min_p, "seed": params.seed},
+                                                  "top_p": params.top_p, "min_p": params.min_p, "seed": params.seed,
+                                                  "draws": params.draws},
                  "draft_topk": settings.draft_topk,
                  "cost_constants": costs.to_dict() if costs else None, "offload": report,
                  "backend": {"name": arrays.name, "reason": arrays.reason, "host_reads": arrays.host_reads}}
@@ -260,7 +262,7 @@ def _per_token(report: dict, generated: int) -> dict:
             "bytes_fetched_per_token": round(sum(p["bytes_read"] for p in phases) / n, 1)}
 
 
-def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed):
+def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed, sampler="auto"):
     """Flags win; otherwise the model's own defaults (generation_config.json with do_sample, or a
     GGUF's `general.sampling.*`), as transformers and llama.cpp do; otherwise greedy."""
     from ..decoding.sampling import SamplingParams
@@ -269,7 +271,8 @@ def sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed):
     pick = lambda flag, key, off: flag if flag is not None else defaults.get(key, off)  # noqa: E731
     return SamplingParams(float(pick(temperature, "temperature", 0.0)), int(pick(top_k, "top_k", 0)),
                           float(pick(top_p, "top_p", 1.0)), min_p,
-                          None if seed is None or seed == -1 else seed)  # -1: random, as in llama.cpp
+                          None if seed is None or seed == -1 else seed,  # -1: random, as in llama.cpp
+                          sampler)
 
 
 def settings_policy(settings):

@@ -6,11 +6,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import numpy as np
 
 from ..model.forward import MoEModel
 from ..model.routing import TARGET, RoutingPolicy
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, draws_for, sample
 
 
 @dataclass
@@ -53,7 +52,7 @@ def generate_ar(
     if not prompt:
         raise ValueError("empty prompt")
     stop = set(stop_ids)
-    rng = np.random.default_rng(params.seed)
+    draws = draws_for(params)
     kv = model.new_cache(len(prompt) + max_tokens)
     result = GenerationResult(prompt)
     from ..engine import phase_of
@@ -65,7 +64,8 @@ def generate_ar(
     result.prefill_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
     while max_tokens > 0:
-        token = sample(logits[-1], params, rng)
+        token = sample(logits[-1], params, draws, len(result.tokens))
+        draws.forget_before(len(result.tokens))
         result.tokens.append(token)
         if on_token:
             on_token(token)

@@ -1,4 +1,18 @@
-"""Next-token sampling: temperature, top-k, top-p, min-p; temperature 0 is argmax."""
+"""Next-token sampling: temperature, top-k, top-p, min-p; temperature 0 is argmax.
+
+Two ways to draw (``--sampler``):
+- standard: one generator consumed in call order. Speculative verification is the classic accept
+  with min(1, p/q), else resample from max(p − q, 0); it accepts Σ min(p, q) per token, the most any
+  single-draft scheme can, but what was drafted decides which random numbers later tokens get, so a
+  seed reproduces the text only when every draft decision repeats (AE's live timings and the expert
+  cache's contents change them from run to run).
+- coupled: Gumbel-max with noise that depends on (seed, position) only. Every token at position j is
+  argmax(log p + g_j), a draft token is accepted iff it is the target's own draw with the same g_j,
+  so the text is AR's text for that seed whatever was drafted, and each token still has law p.
+  Its acceptance is lower (≥ (1 − TV)/(1 + TV) against Σ min(p, q) = 1 − TV).
+auto (the default) is coupled when a seed is given, since a seed asks for reproducible text, and
+standard otherwise.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..checks import number
+from ..errors import UsageError
+
+SAMPLERS = ("auto", "coupled", "standard")
 
 
 @dataclass(frozen=True)
@@ -16,6 +33,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    sampler: str = "auto"  # see the module docstring
 
     def __post_init__(self):
         number("--temperature", self.temperature, low=0)
@@ -24,10 +42,21 @@ class SamplingParams:
         number("--top-k", self.top_k, low=0, integer=True)
         if self.seed is not None:
             number("--seed", self.seed, low=0, high=2 ** 63 - 1, integer=True)
+        if self.sampler not in SAMPLERS:
+            raise UsageError(f"--sampler {self.sampler!r}: must be one of {', '.join(SAMPLERS)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def coupled(self) -> bool:
+        return not self.greedy and (self.sampler == "coupled" or (self.sampler == "auto" and self.seed is not None))
+
+    @property
+    def draws(self) -> str:
+        """What decides each token, as reports name it: greedy, coupled or standard."""
+        return "greedy" if self.greedy else "coupled" if self.coupled else "standard"
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -57,8 +86,56 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p / p.sum()
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+class StandardDraws:
+    """One generator, consumed in call order (the position is not used)."""
+
+    coupled = False
+
+    def __init__(self, seed: int | None):
+        self.rng = np.random.default_rng(seed)
+
+    def token(self, p: np.ndarray, position: int) -> int:
+        return int(self.rng.choice(p.size, p=p))
+
+    def uniform(self) -> float:
+        return float(self.rng.random())
+
+    def forget_before(self, position: int) -> None:
+        pass
+
+
+class CoupledDraws:
+    """Gumbel-max on noise that is a function of (seed, position) alone. Position j's noise is
+    drawn once and kept until the text moves past j (the draft and verification both read it)."""
+
+    coupled = True
+
+    def __init__(self, seed: int | None):
+        # no seed: a fresh one, so the run is random but draft and target still share its noise
+        self.seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)
+        self._noise: dict[int, np.ndarray] = {}
+
+    def scores(self, p: np.ndarray, position: int) -> np.ndarray:
+        g = self._noise.get(position)
+        if g is None or g.size != p.size:
+            g = self._noise[position] = np.random.default_rng([self.seed, position]).gumbel(size=p.size)
+        with np.errstate(divide="ignore"):
+            return np.log(p) + g  # a truncated token (p = 0) scores -inf and is never drawn
+
+    def token(self, p: np.ndarray, position: int) -> int:
+        return int(np.argmax(self.scores(p, position)))
+
+    def forget_before(self, position: int) -> None:
+        for j in [j for j in self._noise if j < position]:
+            del self._noise[j]
+
+
+def draws_for(params: SamplingParams) -> StandardDraws | CoupledDraws:
+    return CoupledDraws(params.seed) if params.coupled else StandardDraws(params.seed)
+
+
+def sample(logits: np.ndarray, params: SamplingParams, draws: StandardDraws | CoupledDraws, position: int) -> int:
+    """The token at ``position`` (its index in the generated text) from these logits."""
     if params.greedy:
         return int(np.argmax(logits))
-    p = probabilities(logits, params)
-    return int(rng.choice(p.size, p=p))
+    return draws.token(probabilities(logits, params), position)

@@ -5,8 +5,10 @@ One iteration, with P committed KV positions and a pending token ``root`` (emitt
   1. draft from ``root`` with the draft top-k, one token at a time (KV written past P);
   2. admit draft token i while its rule allows (AE: U_i = p_i·T_AR / (ΔC_ver(i|S) + C_draft) ≥ θ);
   3. roll the shared KV back to P, verify [root, d_1..d_n] in one target pass (RG bias if on);
-  4. accept (greedy match, or speculative sampling), commit the target-computed KV of root and the
-     accepted drafts, emit the accepted drafts and the target's next token (the new root).
+  4. accept (greedy match, coupled match, or speculative sampling), commit the target-computed KV of
+     root and the accepted drafts, emit the accepted drafts and the target's next token (the new root).
+Greedy and coupled sampling (`sampling.py`) accept a draft token iff it is the target's own pick at its
+position, so their text is AR's; standard sampling accepts with min(1, p/q).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..model.kv_cache import KVCache
 from .methods import MethodSpec, SpecSettings
 from ..model.forward import MoEModel
 from ..model.routing import TARGET, RoutingPolicy, RoutingRecord, softmax, top_k_indices
-from .sampling import SamplingParams, probabilities, sample
+from .sampling import SamplingParams, draws_for, probabilities, sample
 from .metrics import SpecMetrics
 
 Key = tuple[int, int]
@@ -44,9 +46,9 @@ def marginal_verification_cost(new_experts: set[Key], state, costs: CostConstant
 class Draft:
     tokens: list[int] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)  # q(d_i) of each draft token
-    # the law d_i has *given that it was admitted* (sampling only): q(·) under a fixed-length rule
-    # and AE (which stops after a token rather than dropping it), q restricted to {q ≥ θ} under the
-    # confidence rule; None for a forced tree branch (greedy only: trees are not sampled)
+    # the law d_i has *given that it was admitted* (standard sampling only): q(·) under a fixed-length
+    # rule and AE (which stops after a token rather than dropping it), q restricted to {q ≥ θ} under
+    # the confidence rule; None where verification needs no law (greedy, coupled, a forced tree branch)
     dists: list[np.ndarray | None] = field(default_factory=list)
 
 
@@ -117,14 +119,23 @@ class SpeculativeDecoder:
             out.update((L, int(e)) for e in top_k_indices(row, self.top_k)[0])
         return out
 
-    def _pick(self, logits: np.ndarray, rng) -> tuple[int, float, np.ndarray | None]:
-        """Draft token from draft logits: (token, its probability, distribution sampled from)."""
+    def _pick(self, logits: np.ndarray, draws, position: int) -> tuple[int, float, np.ndarray | None]:
+        """Draft token at ``position`` from draft logits: (token, its probability, the law standard
+        verification needs, else None)."""
         if self.params.greedy:
             token = int(np.argmax(logits))
             return token, float(softmax(logits.astype(np.float64))[token]), None
         q = probabilities(logits, self.params)
-        token = int(rng.choice(q.size, p=q))
-        return token, float(q[token]), q
+        token = draws.token(q, position)
+        return token, float(q[token]), None if draws.coupled else q
+
+    def _runner_up(self, logits: np.ndarray, draws, position: int) -> int:
+        """A tree's second first token: the draft's second choice (of the noisy scores when coupled,
+        so it differs from the first branch's token)."""
+        if self.params.greedy:
+            return int(top_k_indices(logits[None, :], 2)[0, 1])
+        scores = draws.scores(probabilities(logits, self.params), position)
+        return int(top_k_indices(scores[None, :], 2)[0, 1])
 
     def _draft_length(self) -> int:
         m, s = self.method, self.settings
@@ -146,9 +157,10 @@ class SpeculativeDecoder:
         self._prefetch(predicted)
         return logits[-1], predicted
 
-    def _draft_chain(self, kv: KVCache, rng, length: int, logits: np.ndarray, selected: set[Key],
+    def _draft_chain(self, kv: KVCache, draws, base: int, length: int, logits: np.ndarray, selected: set[Key],
                      first: int | None = None) -> Draft:
-        """Draft up to ``length`` tokens after the root, admitting each by the method's rule."""
+        """Draft up to ``length`` tokens after the root, admitting each by the method's rule; the
+        first would be the generated text's token number ``base``."""
         m, s, costs = self.method, self.settings, self.costs
         d = Draft()
         selected = set(selected)
@@ -158,7 +170,7 @@ class SpeculativeDecoder:
                 token, dist = first, None
                 prob = float(softmax(logits.astype(np.float64))[token])
             else:
-                token, prob, dist = self._pick(logits, rng)
+                token, prob, dist = self._pick(logits, draws, base + len(d.tokens))
             if m.admit == "confidence" and prob < s.confidence_threshold:
                 break
             if dist is not None and m.admit == "confidence":
@@ -166,8 +178,8 @@ class SpeculativeDecoder:
                 # drawn from q restricted to {q ≥ θ}; verifying it against plain q would bias the output
                 dist = np.where(dist >= s.confidence_threshold, dist, 0.0)
                 dist = dist / dist.sum()
-            # AE. Greedy: a token that cannot pay for itself is dropped. Sampled: U_i depends on the
-            # token's experts, so dropping it would leave the admitted tokens with an unknown law;
+            # AE. Greedy, coupled: a token that cannot pay for itself is dropped. Standard: U_i depends on
+            # the token's experts, so dropping it would leave the admitted tokens with an unknown law;
             # instead the token (drawn from q) is verified and drafting stops after it: the stop is
             # a stopping time of the drafted tokens, and speculative sampling stays exact.
             last = False
@@ -209,29 +221,31 @@ class SpeculativeDecoder:
                          np.asarray(confidences), s.rg_residency, self._available)
         return RoutingPolicy(selection_bias=rg.bias)
 
-    def _accept_chain(self, logits: np.ndarray, d: Draft, rng, offset: int = 0) -> tuple[int, int]:
-        """(accepted count, next token) for a chain whose i-th token sits at batch row offset+i+1;
-        its parent row is 0 (the root) for i = 0, else offset+i."""
+    def _accept_chain(self, logits: np.ndarray, d: Draft, draws, base: int, offset: int = 0) -> tuple[int, int]:
+        """(accepted count, next token) for a chain whose i-th token sits at batch row offset+i+1
+        and is the text's token number base+i; its parent row is 0 (the root) for i = 0, else offset+i."""
         rows = [0] + [offset + i + 1 for i in range(len(d.tokens))]
         for i, token in enumerate(d.tokens):
             parent = logits[rows[i]]
-            if self.params.greedy:
-                if int(np.argmax(parent)) != token:
-                    return i, int(np.argmax(parent))
+            if self.params.greedy or draws.coupled:  # accepted iff it is the target's own pick here
+                pick = sample(parent, self.params, draws, base + i)
+                if pick != token:
+                    return i, pick
                 continue
             p = probabilities(parent, self.params)
             q = d.dists[i]
-            if q is None:  # only a forced tree branch has no law, and trees verify greedily only
+            if q is None:  # a forced tree branch has no law, and standard sampling drafts no trees
                 raise RuntimeError("sampled verification of a draft token whose law is unknown")
-            if rng.random() < min(1.0, p[token] / q[token]):
+            if draws.uniform() < min(1.0, p[token] / q[token]):
                 continue
             residual = np.maximum(p - q, 0.0)  # resample from the part of p that q under-covers
             total = residual.sum()
-            return i, int(rng.choice(residual.size, p=residual / total if total > 0 else p))
-        return len(d.tokens), sample(logits[rows[-1]], self.params, rng)
+            return i, draws.token(residual / total if total > 0 else p, base + i)
+        return len(d.tokens), sample(logits[rows[-1]], self.params, draws, base + len(d.tokens))
 
-    def _verify(self, root: int, P: int, branches: list[Draft], kv: KVCache, rng) -> tuple[list[int], int]:
-        """One target pass over [root, branch tokens…]; commits the accepted path's KV."""
+    def _verify(self, root: int, P: int, branches: list[Draft], kv: KVCache, draws, at: int) -> tuple[list[int], int]:
+        """One target pass over [root, branch tokens…]; commits the accepted path's KV. ``at``: the
+        text's token number of the first draft token."""
         tokens, positions, confidences = [root], [P], [1.0]
         mask_rows = []
         for d in branches:
@@ -276,7 +290,7 @@ class SpeculativeDecoder:
                 self.costs = self.live.current()
         best, offset = None, 0
         for b, d in enumerate(branches):
-            a, nxt = self._accept_chain(logits, d, rng, offset)
+            a, nxt = self._accept_chain(logits, d, draws, at, offset)
             if best is None or a > best[0]:
                 best = (a, nxt, b, offset)
             offset += len(d.tokens)
@@ -322,8 +336,8 @@ class SpeculativeDecoder:
         m, s = self.method, self.settings
         prompt = [int(t) for t in prompt]
         stop = set(stop_ids)
-        rng = np.random.default_rng(self.params.seed)
-        width = m.tree_width if self.params.greedy else 1  # trees verify greedily only
+        draws = draws_for(self.params)
+        width = m.tree_width if self.params.greedy or draws.coupled else 1  # standard sampling needs one law per token
         longest = max(s.draft_cap, m.fixed_length or 0)
         capacity = len(prompt) + max_tokens + width * longest + 2
         kv = self.model.new_cache(capacity)
@@ -353,8 +367,9 @@ class SpeculativeDecoder:
             draft_kv.commit(len(prompt))
         prefill = time.perf_counter() - t0  # both prefills when the draft has its own KV
         t1 = time.perf_counter()
-        done = emit([sample(logits[-1], self.params, rng)])
+        done = emit([sample(logits[-1], self.params, draws, 0)])
         while not done:
+            draws.forget_before(len(out))
             root, P = out[-1], kv.length
             length = self._draft_length()
             started = time.perf_counter()
@@ -371,7 +386,7 @@ class SpeculativeDecoder:
                     self.costs = self.live.current()
                 kv.commit(P + 1)
                 self.metrics.ar_steps += 1
-                done = emit([sample(logits[-1], self.params, rng)])
+                done = emit([sample(logits[-1], self.params, draws, len(out))])
                 self._cascade_observe(length, 1, time.perf_counter() - started)
                 continue
             history = prompt + out
@@ -379,11 +394,11 @@ class SpeculativeDecoder:
             td, passes = time.perf_counter(), self.metrics.draft_passes
             with phase_of(self.model, "draft"):
                 root_logits, root_experts = self._draft_root(feed, draft_kv)
-                branches = [self._draft_chain(draft_kv, rng, length, root_logits, root_experts)]
+                branches = [self._draft_chain(draft_kv, draws, len(out), length, root_logits, root_experts)]
                 if width > 1 and branches[0].tokens:
-                    runner_up = int(top_k_indices(root_logits[None, :], 2)[0, 1])
+                    runner_up = self._runner_up(root_logits, draws, len(out))
                     draft_kv.rollback(P + 1)
-                    branches.append(self._draft_chain(draft_kv, rng, length, root_logits, root_experts,
+                    branches.append(self._draft_chain(draft_kv, draws, len(out), length, root_logits, root_experts,
                                                       first=runner_up))
             drafted_for = time.perf_counter() - td
             self.metrics.draft_seconds += drafted_for
@@ -398,7 +413,7 @@ class SpeculativeDecoder:
                 kv.rollback(P)  # context alignment: draft KV never reaches the committed cache
             if not branches[0].tokens:  # nothing admitted: the verification is a plain AR step
                 self.metrics.empty_drafts += 1
-            accepted, nxt = self._verify(root, P, branches, kv, rng)
+            accepted, nxt = self._verify(root, P, branches, kv, draws, len(out))
             if not m.share_kv:
                 # the draft cache is valid up to the accepted tokens only if it holds the accepted
                 # branch (the last one drafted); otherwise keep the root and catch up next time
