@@ -52,11 +52,12 @@ def test_a_seeded_sampled_run_prints_ars_text(tiny_model_dirs):
     drafts nothing on the tiny models' flat laws), under a budget where the draft reads resident
     experts only, prints the tokens --method ar prints for that seed."""
     _, folder, _ = tiny_model_dirs["olmoe"]
-    common = ("run", "-m", folder, "-p", "import os", "-n", "16", "-t", "0.8", "--seed", "5", "--json")
+    # T 0.3: the tiny models' laws are flat, and at T 0.8 a draft this close to its target is never refused
+    common = ("run", "-m", folder, "-p", "import os", "-n", "16", "-t", "0.3", "--seed", "5", "--json")
     spec = json.loads(s2moe(*common, "--method", "ca", "--budget", "0.5").stdout)
     ar = json.loads(s2moe(*common, "--method", "ar").stdout)
     assert spec["tokens"] == ar["tokens"] and spec["stats"]["sampling"]["draws"] == "coupled"
-    assert spec["stats"]["verifications"] > 0 and spec["stats"]["mean_draft_length"] > 0  # it did draft
+    assert 0 < spec["stats"]["acceptance_rate"] < 1  # it drafted, and both verdicts occurred
     standard = json.loads(s2moe(*common, "--method", "ca", "--sampler", "standard").stdout)
     assert standard["stats"]["sampling"]["draws"] == "standard"
 

@@ -54,7 +54,7 @@ from stub_model import START, StubModel, exact_law, table_draft, table_target
 from s2moe.runtime.decoding.cost_model import CostConstants
 from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.decoding.methods import SpecSettings, get_method
-from s2moe.runtime.decoding.sampling import SAMPLERS, SamplingParams, probabilities
+from s2moe.runtime.decoding.sampling import SAMPLERS, CoupledDraws, SamplingParams, probabilities
 from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
 ALPHA = 1e-4  # false-alarm level of one case; seeds are fixed, so the outcome is deterministic
@@ -328,3 +328,76 @@ def test_a_coupled_tree_drafts_two_different_first_tokens():
         dec._verify = spy
         dec.generate([START], 12)
     assert trees >= 40
+
+
+def test_both_tree_branches_draft_at_the_texts_next_position():
+    """Noise belongs to the text position, not to the branch: the second branch drafts from the same
+    position as the first, so when its first token is the target's draw, its next tokens can be too."""
+    dec = SpeculativeDecoder(StubModel(table_target, table_draft, vocab=4), get_method("es"),
+                             SpecSettings(draft_topk=1, draft_cap=3), EAGER, SamplingParams(temperature=1.0, seed=4))
+    chains, verified = [], []
+    draft, verify = dec._draft_chain, dec._verify
+
+    def draft_spy(kv, draws, base, *args, **kwargs):
+        chains.append(base)
+        return draft(kv, draws, base, *args, **kwargs)
+
+    def verify_spy(root, P, branches, kv, draws, at):
+        verified.append((at, chains[:]))
+        chains.clear()
+        return verify(root, P, branches, kv, draws, at)
+
+    dec._draft_chain, dec._verify = draft_spy, verify_spy
+    dec.generate([START], 30)
+    assert sum(len(c) == 2 for _, c in verified) >= 3
+    assert all(c == [at] * len(c) for at, c in verified), verified
+
+
+def test_a_truncation_that_leaves_one_token_drafts_no_second_branch():
+    """top-k 1: the runner-up has probability 0 and would be rejected for sure; no branch is drafted."""
+    dec = SpeculativeDecoder(StubModel(table_target, table_draft, vocab=4), get_method("es"),
+                             SpecSettings(draft_topk=1, draft_cap=3), EAGER,
+                             SamplingParams(temperature=1.0, top_k=1, seed=2))
+    widths = []
+    verify = dec._verify
+    dec._verify = lambda root, P, branches, *a: (widths.append(len(branches)), verify(root, P, branches, *a))[1]
+    dec.generate([START], 16)
+    assert widths and set(widths) == {1}
+
+
+@pytest.mark.parametrize("sampler", ["standard", "coupled"])
+def test_ae_under_coupled_drops_a_token_that_cannot_pay(sampler):
+    """Coupled verification needs no draft law, so AE drops a refused token as greedy does (standard
+    keeps it and stops, to keep its law q). With PICKY constants (T_AR / C_draft = 2.5) and no expert
+    costs, U_i = prefix probability × 2.5: coupled drafts only tokens with U_i ≥ 1."""
+    utilities = []
+    for seed in range(40):
+        dec = SpeculativeDecoder(StubModel(table_target, table_draft, vocab=4), get_method("ca+ae", reuse_gating=False),
+                                 SpecSettings(draft_topk=1, draft_cap=4), PICKY,
+                                 SamplingParams(temperature=1.0, seed=seed, sampler=sampler))
+        verify = dec._verify
+
+        def spy(root, P, branches, *args):
+            utilities.extend(np.cumprod(branches[0].token_probs) * 2.5)
+            return verify(root, P, branches, *args)
+
+        dec._verify = spy
+        dec.generate([START], 16)
+    refused = sum(u < 1 for u in utilities)
+    assert len(utilities) >= 100
+    assert refused == 0 if sampler == "coupled" else refused >= 20, (sampler, refused, len(utilities))
+
+
+def test_coupled_noise_held_stays_bounded(monkeypatch):
+    """The noise of emitted positions is let go: a vocabulary-sized array per position would otherwise
+    grow with the text (1.2 MB per token at a 152k vocabulary)."""
+    dec = SpeculativeDecoder(StubModel(table_target, table_draft, vocab=4), get_method("es"),
+                             SpecSettings(draft_topk=1, draft_cap=3), EAGER, SamplingParams(temperature=1.0, seed=1))
+    dec.generate([START], 200)
+    assert 0 < len(dec.draws._noise) <= 8 + 2  # es drafts 8 per branch: the positions of one iteration
+    from s2moe.runtime.decoding import generate as gen
+
+    made = []
+    monkeypatch.setattr(gen, "draws_for", lambda params: made.append(CoupledDraws(params.seed)) or made[-1])
+    generate_ar(StubModel(table_target, table_draft, vocab=4), [START], 200, SamplingParams(temperature=1.0, seed=1))
+    assert 0 < len(made[0]._noise) <= 2

@@ -112,6 +112,11 @@ def test_a_requests_seed_makes_sampling_reproducible(client):
 
     assert sampled(0) == sampled(0) and sampled(5) == sampled(5)
     assert len({sampled(s) for s in range(4)}) >= 3  # the seed is used, not ignored
+    # and it is AR's text for that seed (the coupled sampler), whatever this server's AE drafted
+    ran = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "run", "-p", PROMPT, "-n", "12", "-t", "1",
+                          "--seed", "5", "--method", "ar", "--json"], capture_output=True, text=True, timeout=300,
+                         check=True)
+    assert sampled(5) == json.loads(ran.stdout)["text"]
 
 
 def test_stop_sequence_cuts_the_text(client):

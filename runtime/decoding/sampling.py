@@ -9,7 +9,8 @@ Two ways to draw (``--sampler``):
 - coupled: Gumbel-max with noise that depends on (seed, position) only. Every token at position j is
   argmax(log p + g_j), a draft token is accepted iff it is the target's own draw with the same g_j,
   so the text is AR's text for that seed whatever was drafted, and each token still has law p.
-  Its acceptance is lower (≥ (1 − TV)/(1 + TV) against Σ min(p, q) = 1 − TV).
+  Its acceptance is lower (≥ (1 − TV)/(1 + TV) against Σ min(p, q) = 1 − TV). Reuse-aware gating
+  changes the target's own law with the drafted batch, so "AR's text" needs gating off (--no-rg).
 auto (the default) is coupled when a seed is given, since a seed asks for reproducible text, and
 standard otherwise.
 """
@@ -105,8 +106,10 @@ class StandardDraws:
 
 
 class CoupledDraws:
-    """Gumbel-max on noise that is a function of (seed, position) alone. Position j's noise is
-    drawn once and kept until the text moves past j (the draft and verification both read it)."""
+    """Gumbel-max on noise that is a function of (seed, position) alone, computed as the equivalent
+    exponential race argmax p_i / E_i (E ~ Exp(1), so −log E is Gumbel): no logarithms, about the
+    cost of one `rng.choice` over the vocabulary. Position j's noise is drawn once and kept until the
+    text moves past j (the draft and verification both read it)."""
 
     coupled = True
 
@@ -115,12 +118,18 @@ class CoupledDraws:
         self.seed = int(np.random.SeedSequence().entropy) if seed is None else int(seed)
         self._noise: dict[int, np.ndarray] = {}
 
+    def noise(self, position: int, size: int) -> np.ndarray:
+        """E for this position. The position is a spawn key, not a second entropy word: NumPy drops
+        trailing zero words, so [seed, j] would give seed s + 2^32·j at position 0 seed s's noise at j."""
+        e = self._noise.get(position)
+        if e is None or e.size != size:
+            rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(position,)))
+            e = self._noise[position] = rng.standard_exponential(size)
+        return e
+
     def scores(self, p: np.ndarray, position: int) -> np.ndarray:
-        g = self._noise.get(position)
-        if g is None or g.size != p.size:
-            g = self._noise[position] = np.random.default_rng([self.seed, position]).gumbel(size=p.size)
-        with np.errstate(divide="ignore"):
-            return np.log(p) + g  # a truncated token (p = 0) scores -inf and is never drawn
+        """Race keys p / E: the largest wins; a truncated token (p = 0) scores 0 and never does."""
+        return p / self.noise(position, p.size)
 
     def token(self, p: np.ndarray, position: int) -> int:
         return int(np.argmax(self.scores(p, position)))

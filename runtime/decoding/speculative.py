@@ -129,13 +129,14 @@ class SpeculativeDecoder:
         token = draws.token(q, position)
         return token, float(q[token]), None if draws.coupled else q
 
-    def _runner_up(self, logits: np.ndarray, draws, position: int) -> int:
+    def _runner_up(self, logits: np.ndarray, draws, position: int) -> int | None:
         """A tree's second first token: the draft's second choice (of the noisy scores when coupled,
-        so it differs from the first branch's token)."""
+        so it differs from the first branch's token); None when truncation leaves only one."""
         if self.params.greedy:
             return int(top_k_indices(logits[None, :], 2)[0, 1])
         scores = draws.scores(probabilities(logits, self.params), position)
-        return int(top_k_indices(scores[None, :], 2)[0, 1])
+        second = int(top_k_indices(scores[None, :], 2)[0, 1])
+        return second if scores[second] > 0 else None
 
     def _draft_length(self) -> int:
         m, s = self.method, self.settings
@@ -395,8 +396,8 @@ class SpeculativeDecoder:
             with phase_of(self.model, "draft"):
                 root_logits, root_experts = self._draft_root(feed, draft_kv)
                 branches = [self._draft_chain(draft_kv, draws, len(out), length, root_logits, root_experts)]
-                if width > 1 and branches[0].tokens:
-                    runner_up = self._runner_up(root_logits, draws, len(out))
+                runner_up = self._runner_up(root_logits, draws, len(out)) if width > 1 and branches[0].tokens else None
+                if runner_up is not None:
                     draft_kv.rollback(P + 1)
                     branches.append(self._draft_chain(draft_kv, draws, len(out), length, root_logits, root_experts,
                                                       first=runner_up))
@@ -423,6 +424,7 @@ class SpeculativeDecoder:
             done = emit(accepted + [nxt])
             self._cascade_observe(length, len(accepted) + 1, time.perf_counter() - started)
         decode = time.perf_counter() - t1
+        self.draws = draws  # kept for inspection (tests check the noise it holds stays bounded)
         # tokens accepted past max_tokens were committed but never emitted: drop their KV too
         kv.rollback(min(kv.length, len(prompt) + len(out) - 1))
         self.kv = kv  # kept for inspection (tests compare it with a fresh prefill)
