@@ -50,18 +50,27 @@ def offload_bandwidth(store, loaded, reps: int = 6, tick: Tick = _noop, seed: in
             samples.append((nbytes, store.timed_read(path, offset, nbytes)))
             tick()
     # a host-cache miss below the virtual disk or a scheduler hiccup is one slow outlier
-    return {**_fit_latency_bandwidth(samples, sizes), "request_sizes": sizes, "samples": samples}
+    return {**fit_latency_bandwidth(samples, sizes), "request_sizes": sizes, "samples": samples}
 
 
-def _fit_latency_bandwidth(samples: list[tuple[int, float]], sizes: list[int]) -> dict:
-    """latency = a + bytes / BW over the per-size medians (one slow outlier must not tilt the line)."""
+def fit_latency_bandwidth(samples: list[tuple[int, float]], sizes: list[int]) -> dict:
+    """latency = a + bytes / BW over the per-size medians (one slow outlier must not tilt the line).
+
+    Where the read time does not grow with the size (requests this small are all latency, or a busy
+    machine's noise swamps the transfer), the line cannot split the two. BW is then bounded from
+    below by the largest request, all of its time charged to the transfer, the latency is what the
+    smallest request takes beyond its transfer at that BW, and ``bandwidth_is_bound`` says so."""
     x = np.array(sizes, dtype=np.float64)
     y = np.array([np.median([t for n, t in samples if n == size]) for size in sizes])
-    slope, intercept = np.polyfit(x, y, 1)
+    slope, intercept = np.polyfit(x, y, 1) if len(x) > 1 else (0.0, 0.0)
     pred = slope * x + intercept
     r2 = 1 - ((y - pred) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-30)
-    return {"bandwidth_mb_s": float(1 / slope / 1e6) if slope > 0 else float("inf"),
-            "latency_us": float(max(intercept, 0.0) * 1e6), "fit_r2": float(r2)}
+    if slope > 0:
+        return {"bandwidth_mb_s": float(1 / slope / 1e6), "latency_us": float(max(intercept, 0.0) * 1e6),
+                "fit_r2": float(r2), "bandwidth_is_bound": False}
+    bandwidth = x[-1] / max(y[-1], 1e-9)  # bytes/s
+    return {"bandwidth_mb_s": float(bandwidth / 1e6), "latency_us": float(max(y[0] - x[0] / bandwidth, 0.0) * 1e6),
+            "fit_r2": float(r2), "bandwidth_is_bound": True}
 
 
 def host_to_device(backend, expert_bytes: int, reps: int = 10, tick: Tick = _noop) -> dict:
@@ -78,7 +87,7 @@ def host_to_device(backend, expert_bytes: int, reps: int = 10, tick: Tick = _noo
                 dst.set(src)
             samples.append((nbytes, took[0]))
             tick()
-    return {**_fit_latency_bandwidth(samples, sizes), "request_sizes": sizes, "samples": samples}
+    return {**fit_latency_bandwidth(samples, sizes), "request_sizes": sizes, "samples": samples}
 
 
 def _contexts(token_lists: list[list[int]], context: int, batch: int) -> list[tuple[list[int], list[int]]]:

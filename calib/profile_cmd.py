@@ -195,6 +195,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         reps = 6
         t = progress.add_task("offload bandwidth", total=reps * 5)
         bw = gathered.get("offload") or measure.offload_bandwidth(store, loaded, reps, lambda: progress.advance(t))
+        if "bandwidth_is_bound" not in bw:  # resumed from an older samples file: refit its samples
+            bw.update(measure.fit_latency_bandwidth(bw["samples"], bw["request_sizes"]))
         progress.update(t, completed=reps * 5)
         keep("offload", bw)
         if arrays.on_device:  # the device's own slow link: pinned host → device copies
@@ -293,7 +295,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         "budget": {"spec": budget or "1.0", "expert_capacity_bytes": plan.expert_capacity, "total_bytes": plan.total,
                    "context_tokens": ctx, "kv_positions": kv_positions},
         "offload": {"bandwidth_mb_s": round(bw["bandwidth_mb_s"], 3), "latency_us": round(bw["latency_us"], 3),
-                    "fit_r2": round(bw["fit_r2"], 5), "fetch_threads": fetch_threads,
+                    "fit_r2": round(bw["fit_r2"], 5), "bandwidth_is_bound": bw["bandwidth_is_bound"],
+                    "fetch_threads": fetch_threads,
                     "request_sizes": bw["request_sizes"],
                     **({"host_to_device_mb_s": round(h2d["bandwidth_mb_s"], 3),
                         "host_to_device_latency_us": round(h2d["latency_us"], 3)} if arrays.on_device else {}),
@@ -337,7 +340,8 @@ def summary_table(profile: dict) -> Table:
     t.add_column("quantity")
     t.add_column("value", justify="right")
     rows = [
-        ("offload bandwidth", f"{o['bandwidth_mb_s']:.1f} MB/s"),
+        ("offload bandwidth", f"{o['bandwidth_mb_s']:.1f} MB/s"
+                              + (" (a lower bound: read times did not grow with size)" if o.get("bandwidth_is_bound") else "")),
         ("request latency", f"{o['latency_us']:.1f} µs (fit R² {o['fit_r2']:.3f})"),
         ("expert bytes stored / resident", f"{profile['model']['expert_bytes_stored']:,} / "
                                            f"{profile['model'].get('expert_bytes_resident') or 0:,}"),

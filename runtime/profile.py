@@ -78,6 +78,7 @@ SCHEMA: dict = {
             "type": "object", "required": ["bandwidth_mb_s", "latency_us"],
             "properties": {
                 "bandwidth_mb_s": _pos, "latency_us": _nonneg, "fit_r2": _opt(_num),
+                "bandwidth_is_bound": {"type": "boolean"},
                 "fetch_threads": {"type": "integer", "minimum": 1}, "request_sizes": {"type": "array"},
                 "host_to_device_mb_s": _opt(_pos), "host_to_device_latency_us": _opt(_nonneg),
             },

@@ -222,6 +222,32 @@ def test_emulated_tier_is_recovered(calib_model):
         pytest.fail(f"bandwidth/latency never within 10 % of 40 MB/s, 3000 µs: {runs}")
 
 
+def test_bandwidth_fit_recovers_a_line_and_bounds_a_flat_one(tmp_path):
+    """Read times that grow with size give latency and bandwidth exactly. Times that do not (all
+    latency, or a busy machine: the stress run of issue 13 met this in `profile`, which then wrote
+    bandwidth inf, a value its own loader refuses) give a finite lower bound, flagged, that a
+    profile can hold."""
+    from s2moe.calib.measure import fit_latency_bandwidth
+
+    sizes = [65536, 131072, 262144]
+    line = [(n, 200e-6 + n / 500e6) for n in sizes for _ in range(3)]
+    fit = fit_latency_bandwidth(line, sizes)
+    assert fit["bandwidth_mb_s"] == pytest.approx(500.0) and fit["latency_us"] == pytest.approx(200.0)
+    assert fit["bandwidth_is_bound"] is False
+    flat = [(65536, 3e-4), (131072, 2.9e-4), (262144, 2.8e-4), (262144, 2.8e-4), (262144, 9e-4)]
+    fit = fit_latency_bandwidth(flat, sizes)
+    # the largest request's median (0.28 ms) all charged to transfer; the smallest's 0.3 ms less its share
+    assert fit["bandwidth_is_bound"] is True
+    assert fit["bandwidth_mb_s"] == pytest.approx(262144 / 2.8e-4 / 1e6)
+    assert fit["latency_us"] == pytest.approx((3e-4 - 65536 * 2.8e-4 / 262144) * 1e6)
+    single = fit_latency_bandwidth([(4096, 1e-4), (4096, 2e-4)], [4096])
+    assert single["bandwidth_is_bound"] and single["bandwidth_mb_s"] == pytest.approx(4096 / 1.5e-4 / 1e6)
+    data = _measured_like(tmp_path)
+    data["offload"].update({k: fit[k] for k in ("bandwidth_mb_s", "latency_us", "fit_r2", "bandwidth_is_bound")})
+    save_profile(str(tmp_path / "p.json"), data)
+    assert load_profile(str(tmp_path / "p.json")).data["offload"]["bandwidth_is_bound"] is True
+
+
 def _measured_profile_with(tmp_path, **changes) -> str:
     data = _measured_like(tmp_path)
     data["model"]["expert_bytes_stored"] = 3 << 20  # 3 MiB

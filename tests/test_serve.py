@@ -8,7 +8,6 @@ The server runs lossless (--no-rg), so its greedy text is AR's whatever the draf
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -30,7 +30,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     with cli_errors():
         try:
-            import uvicorn  # noqa: F401
+            import uvicorn  # checked before the model loads
             from ..serve.app import create_app
         except ImportError as exc:
             from ..errors import UsageError
@@ -75,8 +75,6 @@ def serve(
         app = create_app(worker, template, loaded.generation_defaults)
         say(f"serving {label} ({spec.name}, context {context}, chat template: {template.name}) on "
             f"http://{host}:{port}/v1", "green")
-        import uvicorn
-
         try:
             uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
         finally:

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-
 from ..model.forward import MoEModel
 from ..model.routing import TARGET, RoutingPolicy
 from .sampling import SamplingParams, draws_for, sample

@@ -242,7 +242,7 @@ class MoEModel:
 
     def _pass(self, tokens: np.ndarray, kv: KVCache, start: int, policy: RoutingPolicy, logits: str, record: bool,
               positions=None, tree_mask=None) -> tuple[np.ndarray | None, RoutingRecord | None]:
-        c, W, dev, ops = self.config, self.W, self.backend.to_device, self.ops
+        c, W, ops = self.config, self.W, self.ops
         T = tokens.size
         kv.begin_write(start, T)
         if tokens.min(initial=0) < 0 or tokens.max(initial=0) >= c.vocab_size:
