@@ -29,6 +29,9 @@ from .replay import CapturedPass, WeightPool
 Tick = Callable[[], None]
 
 
+LINE_R2 = 0.8  # below this the read times are noise around a flat line, not latency + bytes / BW
+
+
 def _noop() -> None:
     pass
 
@@ -56,21 +59,24 @@ def offload_bandwidth(store, loaded, reps: int = 6, tick: Tick = _noop, seed: in
 def fit_latency_bandwidth(samples: list[tuple[int, float]], sizes: list[int]) -> dict:
     """latency = a + bytes / BW over the per-size medians (one slow outlier must not tilt the line).
 
-    Where the read time does not grow with the size (requests this small are all latency, or a busy
-    machine's noise swamps the transfer), the line cannot split the two. BW is then bounded from
-    below by the largest request, all of its time charged to the transfer, the latency is what the
-    smallest request takes beyond its transfer at that BW, and ``bandwidth_is_bound`` says so."""
+    The line is kept when it is one: three sizes or more, a rising slope and R² ≥ ``LINE_R2`` (real
+    disks fit at 0.989–0.9998 here). Otherwise the times do not grow with the size (requests this
+    small are all latency, or a busy machine's noise swamps the transfer) and the line cannot split
+    the two: BW is bounded from below by the largest request, all of its time charged to the
+    transfer, the latency is what the smallest takes beyond its transfer at that BW,
+    ``bandwidth_is_bound`` says so and ``fit_r2`` is None (the rejected line's R² means nothing)."""
     x = np.array(sizes, dtype=np.float64)
     y = np.array([np.median([t for n, t in samples if n == size]) for size in sizes])
-    slope, intercept = np.polyfit(x, y, 1) if len(x) > 1 else (0.0, 0.0)
-    pred = slope * x + intercept
-    r2 = 1 - ((y - pred) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-30)
-    if slope > 0:
-        return {"bandwidth_mb_s": float(1 / slope / 1e6), "latency_us": float(max(intercept, 0.0) * 1e6),
-                "fit_r2": float(r2), "bandwidth_is_bound": False}
+    if len(x) >= 3:
+        slope, intercept = np.polyfit(x, y, 1)
+        total = ((y - y.mean()) ** 2).sum()
+        r2 = 1 - ((y - (slope * x + intercept)) ** 2).sum() / total if total > 1e-12 * (y ** 2).sum() else 0.0
+        if slope > 0 and r2 >= LINE_R2:
+            return {"bandwidth_mb_s": float(1 / slope / 1e6), "latency_us": float(max(intercept, 0.0) * 1e6),
+                    "fit_r2": float(r2), "bandwidth_is_bound": False}
     bandwidth = x[-1] / max(y[-1], 1e-9)  # bytes/s
     return {"bandwidth_mb_s": float(bandwidth / 1e6), "latency_us": float(max(y[0] - x[0] / bandwidth, 0.0) * 1e6),
-            "fit_r2": float(r2), "bandwidth_is_bound": True}
+            "fit_r2": None, "bandwidth_is_bound": True}
 
 
 def host_to_device(backend, expert_bytes: int, reps: int = 10, tick: Tick = _noop) -> dict:

@@ -203,6 +203,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
             t = progress.add_task("host → device copies", total=10 * 5)
             h2d = gathered.get("host_to_device") or measure.host_to_device(
                 arrays, next(iter(loaded.experts.values())).resident_bytes, 10, lambda: progress.advance(t))
+            if "bandwidth_is_bound" not in h2d:  # resumed from an older samples file: refit its samples
+                h2d.update(measure.fit_latency_bandwidth(h2d["samples"], h2d["request_sizes"]))
             keep("host_to_device", h2d)
         if tier == "host":
             from s2moe.runtime.offload.host_tier import HostTier
@@ -295,11 +297,13 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         "budget": {"spec": budget or "1.0", "expert_capacity_bytes": plan.expert_capacity, "total_bytes": plan.total,
                    "context_tokens": ctx, "kv_positions": kv_positions},
         "offload": {"bandwidth_mb_s": round(bw["bandwidth_mb_s"], 3), "latency_us": round(bw["latency_us"], 3),
-                    "fit_r2": round(bw["fit_r2"], 5), "bandwidth_is_bound": bw["bandwidth_is_bound"],
+                    "fit_r2": None if bw["fit_r2"] is None else round(bw["fit_r2"], 5),
+                    "bandwidth_is_bound": bw["bandwidth_is_bound"],
                     "fetch_threads": fetch_threads,
                     "request_sizes": bw["request_sizes"],
                     **({"host_to_device_mb_s": round(h2d["bandwidth_mb_s"], 3),
-                        "host_to_device_latency_us": round(h2d["latency_us"], 3)} if arrays.on_device else {}),
+                        "host_to_device_latency_us": round(h2d["latency_us"], 3),
+                        "host_to_device_is_bound": h2d["bandwidth_is_bound"]} if arrays.on_device else {}),
                     "emulation": {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
                     if emulation.active else None},
         "cost_model": {"t_ar_ms": ar["median"] * ms, "t_ar_p90_ms": ar["p90"] * ms, "c_draft_ms": dr["median"] * ms,
@@ -342,7 +346,8 @@ def summary_table(profile: dict) -> Table:
     rows = [
         ("offload bandwidth", f"{o['bandwidth_mb_s']:.1f} MB/s"
                               + (" (a lower bound: read times did not grow with size)" if o.get("bandwidth_is_bound") else "")),
-        ("request latency", f"{o['latency_us']:.1f} µs (fit R² {o['fit_r2']:.3f})"),
+        ("request latency", f"{o['latency_us']:.1f} µs"
+                            + (f" (fit R² {o['fit_r2']:.3f})" if o.get("fit_r2") is not None else "")),
         ("expert bytes stored / resident", f"{profile['model']['expert_bytes_stored']:,} / "
                                            f"{profile['model'].get('expert_bytes_resident') or 0:,}"),
         ("T_exp miss / hit", f"{c['t_exp_miss_ms']:.4f} / {c['t_exp_hit_ms']:.4f} ms"),
@@ -460,8 +465,7 @@ def update_command(profile_path: str | None, passes_path: str | None, json_out: 
     err.print(t)
     fit = summary["fit"]
     say(f"updated {profile_path}: fit R² {fit['run_r2']:.3f}, MAPE {fit['run_mape_percent']:.1f} % on the run's "
-        f"{fit['n_decode']} passes" + (f"; kept {' and '.join(summary['kept'])} (too few steps in the run)"
-                                        if summary["kept"] else "")
+        f"{fit['n_decode']} passes" + (f"; kept {', '.join(summary['kept'])}" if summary["kept"] else "")
         + f"; next: s2moe-calib validate --profile {shlex.quote(profile_path)}")
     if json_out:
         print_json(summary)

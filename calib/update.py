@@ -93,16 +93,26 @@ def updated_profile(profile_path: str, passes_path: str) -> tuple[dict, dict]:
     for key in ("t_base_ms", "t_token_ms", "t_exp_miss_ms", "t_exp_hit_ms"):
         number(f"{passes_path}: fitted {key}", c[key])  # finite, or one line (the passes are degenerate)
     kept = []
+    if not controlled:
+        # a feature the run never varied (no misses at budget 1.0) cannot be told from the base cost
+        # without the profile's controlled passes: keep its constant, and move the difference into the
+        # base so every prediction on the run stays what the fit made it
+        for j, key in enumerate(("t_token_ms", "t_exp_miss_ms", "t_exp_hit_ms")):
+            column = X[:, j]
+            base = c["t_base_ms"] + (c[key] - old[key]) * column[0]
+            if np.ptp(column) == 0 and base >= 0:
+                c[key], c["t_base_ms"] = old[key], base
+                kept.append(f"{key} (the run never varied {FEATURES[j]})")
     steps = [p["seconds"] for p in log["ar"]] or [p["seconds"] for p in log["verification"] if p["n_tokens"] == 1]
     if len(steps) >= MIN_STEPS:
         c["t_ar_ms"], c["t_ar_p90_ms"] = float(np.median(steps)) * ms, float(np.percentile(steps, 90)) * ms
     else:
-        kept.append("T_AR")
+        kept.append("T_AR (too few AR steps in the run)")
     drafts = [d["seconds"] / d["tokens"] for d in log["draft"] if d["tokens"] > 0]
     if len(drafts) >= MIN_STEPS:
         c["c_draft_ms"] = float(np.median(drafts)) * ms
     else:
-        kept.append("C_draft")
+        kept.append("C_draft (too few draft phases in the run)")
     fit = dict(c.get("fit") or {})
     fit.update({"r2": round(r2, 5), "mape_percent": round(mape * 100, 3), "n": len(controlled) + len(passes),
                 "n_controlled": len(controlled), "n_decode": len(passes),

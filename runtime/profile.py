@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ SCHEMA: dict = {
             "type": "object", "required": ["bandwidth_mb_s", "latency_us"],
             "properties": {
                 "bandwidth_mb_s": _pos, "latency_us": _nonneg, "fit_r2": _opt(_num),
-                "bandwidth_is_bound": {"type": "boolean"},
+                "bandwidth_is_bound": {"type": "boolean"}, "host_to_device_is_bound": {"type": "boolean"},
                 "fetch_threads": {"type": "integer", "minimum": 1}, "request_sizes": {"type": "array"},
                 "host_to_device_mb_s": _opt(_pos), "host_to_device_latency_us": _opt(_nonneg),
             },
@@ -176,8 +177,27 @@ def write_json_atomic(path: str, obj) -> None:
     write_atomic(path, json.dumps(obj, indent=2) + "\n")  # the umask's mode, like any new file
 
 
+def _first_non_finite(obj, where: str = "") -> str | None:
+    """The path of the first NaN or infinity anywhere in ``obj`` (the schema does not look inside
+    every sub-object: a fit's details, a validation verdict, pin margins)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "(top level)"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        found = _first_non_finite(value, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
 def save_profile(path: str, data: dict) -> None:
+    """Checked, then written whole: never a profile its own loader refuses, nor one holding a NaN
+    (which JSON cannot hold; Python would write a bare NaN token)."""
     validate(data, path)
+    bad = _first_non_finite(data)
+    if bad:
+        raise ProfileError(f"{path}: field {bad} is not a finite number; nothing was written (the measurement "
+                           "behind it is degenerate: re-run s2moe-calib profile)")
     write_json_atomic(path, data)
 
 

@@ -242,10 +242,26 @@ def test_bandwidth_fit_recovers_a_line_and_bounds_a_flat_one(tmp_path):
     assert fit["latency_us"] == pytest.approx((3e-4 - 65536 * 2.8e-4 / 262144) * 1e6)
     single = fit_latency_bandwidth([(4096, 1e-4), (4096, 2e-4)], [4096])
     assert single["bandwidth_is_bound"] and single["bandwidth_mb_s"] == pytest.approx(4096 / 1.5e-4 / 1e6)
+    # noise around a flat line, with a slightly rising slope: not a line either (it would say 554 GB/s)
+    wide = [65536 << i for i in range(5)]
+    noisy = fit_latency_bandwidth(list(zip(wide, [1e-4, 1.01e-4, 0.99e-4, 1e-4, 1.02e-4])), wide)
+    assert noisy["bandwidth_is_bound"] and noisy["fit_r2"] is None
+    assert noisy["bandwidth_mb_s"] == pytest.approx(wide[-1] / 1.02e-4 / 1e6)
     data = _measured_like(tmp_path)
     data["offload"].update({k: fit[k] for k in ("bandwidth_mb_s", "latency_us", "fit_r2", "bandwidth_is_bound")})
     save_profile(str(tmp_path / "p.json"), data)
     assert load_profile(str(tmp_path / "p.json")).data["offload"]["bandwidth_is_bound"] is True
+
+
+def test_a_profile_holding_a_nan_is_never_written(tmp_path):
+    """The schema does not look inside every sub-object (a fit's details, a validation verdict):
+    a NaN there is refused in one line naming its path, and no file appears."""
+    data = _measured_like(tmp_path)
+    data["cost_model"]["fit"] = {"r2": 0.9, "mape_percent": float("nan")}
+    path = tmp_path / "p.json"
+    with pytest.raises(ProfileError, match=r"field cost_model\.fit\.mape_percent is not a finite number"):
+        save_profile(str(path), data)
+    assert not path.exists()
 
 
 def _measured_profile_with(tmp_path, **changes) -> str:

@@ -189,13 +189,25 @@ def test_fit_into_a_preset_makes_it_measured(tmp_path):
         data["model"]["expert_bytes_stored"] / (1 << 20) / 0.5, rel=1e-3)
 
 
-@pytest.mark.parametrize("field,value", [("seconds", float("nan")), ("n_missing", -1), ("seconds", "fast")])
+@pytest.mark.parametrize("field,value", [("seconds", float("nan")), ("n_missing", -1), ("seconds", "fast"),
+                                         ("seconds", 0.0)])
 def test_fit_names_a_bad_sample(tmp_path, field, value):
     data = _samples(None, "cpu")
     data["verification"][3][field] = value
     samples = tmp_path / "bad.samples.json"
     samples.write_text(json.dumps(data))  # NaN as the bare token Python writes
     one_line_error(calib("fit", str(samples)), 2, str(samples), f"verification[3].{field}")
+
+
+def test_fit_needs_enough_passes(tmp_path):
+    """Four constants from 3 passes (or none: NNLS on an empty matrix returns subnormal garbage and a
+    NaN MAPE) are refused in one line; 10 is what profile --update asks too."""
+    for n in (0, 3):
+        data = _samples(None, "cpu")
+        data["verification"] = data["verification"][:n]
+        samples = tmp_path / f"few{n}.samples.json"
+        samples.write_text(json.dumps(data))
+        one_line_error(calib("fit", str(samples)), 2, str(samples), "at least 10 are needed")
 
 
 # -- item 10: export writes only where asked ------------------------------------------------------

@@ -131,12 +131,39 @@ def test_update_recovers_the_constants_of_synthetic_passes(setup, tmp_path):
     assert c["fit"]["run_r2"] > 0.99
 
 
+def test_update_keeps_a_constant_the_run_cannot_tell(setup, tmp_path):
+    """No controlled passes, and a run that never missed (as at budget 1.0): the miss cost is not
+    identifiable, so it stays the profile's (a fit would put 0 there) and the summary says so; the
+    constants the run does vary are still recovered."""
+    logs = setup.logs
+    prof = _copy(setup, tmp_path, with_samples=False)
+    before = load_profile(str(prof)).data["cost_model"]["t_exp_miss_ms"]
+    log = json.loads(logs["s2moe"].read_text())
+    rng = np.random.default_rng(1)
+    log["verification"] = []
+    for _ in range(40):
+        n, hit = int(rng.integers(1, 9)), int(rng.integers(4, 64))
+        seconds = (TRUE["t_base_ms"] + TRUE["t_token_ms"] * n + TRUE["t_exp_hit_ms"] * hit) * 1e-3
+        log["verification"].append({"n_tokens": n, "n_missing": 0, "n_resident": hit, "seconds": seconds})
+    path = tmp_path / "resident.passes.json"
+    path.write_text(json.dumps(log))
+    r = calib("profile", "--update", str(prof), "--passes", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    c = load_profile(str(prof)).data["cost_model"]
+    assert before > 0 and c["t_exp_miss_ms"] == pytest.approx(before, rel=1e-9)
+    for key in ("t_base_ms", "t_token_ms", "t_exp_hit_ms"):
+        assert c[key] == pytest.approx(TRUE[key], rel=0.02, abs=0.002), key
+    assert any("t_exp_miss_ms" in k and "n_missing" in k for k in json.loads(r.stdout)["kept"])
+
+
 @pytest.mark.parametrize("change,needle", [
     (lambda log: log.update(fingerprint="0" * 16), "was measured on"),
     (lambda log: log.update(budget="0.5"), "budget"),
     (lambda log: log.update(emulation="EMULATED slow tier (200 MB/s)"), "emulation"),
     (lambda log: log.update(ar=log["ar"][:3], verification=[]), "at least 10 are needed"),
     (lambda log: log["ar"][2].update(seconds=float("nan")), "ar[2].seconds"),
+    (lambda log: log["ar"][2].update(seconds=0.0), "ar[2].seconds"),  # a 0 s pass stops the relative fit
+    (lambda log: log.update(draft=[{"tokens": 2, "seconds": 0}]), "draft[0].seconds"),
     (lambda log: log.update(format="something"), "not an s2moe pass log"),
 ])
 def test_update_refuses_passes_it_cannot_use_and_leaves_the_profile(setup, tmp_path, change, needle):

@@ -47,7 +47,8 @@ def check_pass_rows(where: str, rows, field: str, hint: str = "") -> None:
         for key in (*FEATURES, "seconds"):
             if not isinstance(row, dict) or key not in row:
                 raise UsageError(f"{where}: {field}[{i}] has no {key!r}{hint}")
-            number(f"{where}: {field}[{i}].{key}", row[key], low=0)
+            # a pass takes time: 0 s would stop the relative-loss fit (and a 0 ms constant is refused)
+            number(f"{where}: {field}[{i}].{key}", row[key], low=0, low_open=key == "seconds")
 
 
 def read_pass_log(path: str) -> dict:
@@ -77,5 +78,5 @@ def read_pass_log(path: str) -> dict:
         for key in ("tokens", "seconds"):
             if not isinstance(row, dict) or key not in row:
                 raise UsageError(f"--passes {path}: draft[{i}] has no {key!r}")
-            number(f"--passes {path}: draft[{i}].{key}", row[key], low=0)
+            number(f"--passes {path}: draft[{i}].{key}", row[key], low=0, low_open=key == "seconds")
     return data
