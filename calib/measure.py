@@ -79,6 +79,14 @@ def fit_latency_bandwidth(samples: list[tuple[int, float]], sizes: list[int]) ->
             "fit_r2": None, "bandwidth_is_bound": True}
 
 
+def refit_if_old(link: dict) -> dict:
+    """A link probe resumed from a samples file written before bounds were flagged: refit its
+    samples, so a slope that never rose becomes a flagged bound there too."""
+    if "bandwidth_is_bound" not in link:
+        link.update(fit_latency_bandwidth(link["samples"], link["request_sizes"]))
+    return link
+
+
 def host_to_device(backend, expert_bytes: int, reps: int = 10, tick: Tick = _noop) -> dict:
     """Pinned host → device copies on the backend's copy path at sizes around the expert size,
     timed with CUDA events; fitted as latency = a + bytes / BW."""

@@ -194,17 +194,14 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         store = ExpertStore(loaded, direct=True, emulation=emulation, threads=fetch_threads, pool_bytes=9 * probe)
         reps = 6
         t = progress.add_task("offload bandwidth", total=reps * 5)
-        bw = gathered.get("offload") or measure.offload_bandwidth(store, loaded, reps, lambda: progress.advance(t))
-        if "bandwidth_is_bound" not in bw:  # resumed from an older samples file: refit its samples
-            bw.update(measure.fit_latency_bandwidth(bw["samples"], bw["request_sizes"]))
+        bw = measure.refit_if_old(gathered.get("offload")
+                                  or measure.offload_bandwidth(store, loaded, reps, lambda: progress.advance(t)))
         progress.update(t, completed=reps * 5)
         keep("offload", bw)
         if arrays.on_device:  # the device's own slow link: pinned host → device copies
             t = progress.add_task("host → device copies", total=10 * 5)
-            h2d = gathered.get("host_to_device") or measure.host_to_device(
-                arrays, next(iter(loaded.experts.values())).resident_bytes, 10, lambda: progress.advance(t))
-            if "bandwidth_is_bound" not in h2d:  # resumed from an older samples file: refit its samples
-                h2d.update(measure.fit_latency_bandwidth(h2d["samples"], h2d["request_sizes"]))
+            h2d = measure.refit_if_old(gathered.get("host_to_device") or measure.host_to_device(
+                arrays, next(iter(loaded.experts.values())).resident_bytes, 10, lambda: progress.advance(t)))
             keep("host_to_device", h2d)
         if tier == "host":
             from s2moe.runtime.offload.host_tier import HostTier

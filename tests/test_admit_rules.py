@@ -149,3 +149,27 @@ def test_ae_prices_a_draft_token_under_the_gating_verification_will_use():
         dec.generate([START], 2)
         lengths[method] = len(out[0].tokens)
     assert lengths == {"s2moe": 1, "ca+ae": 0}
+
+
+def test_a_token_drafted_at_exactly_the_confidence_threshold_keeps_its_law():
+    """The confidence rule admits q ≥ θ, so standard verification must check an admitted token
+    against q restricted to {q ≥ θ}, boundary included: a token at q = θ exactly with law 0 there
+    would be accepted for sure (p / 0) and bias the output."""
+    from s2moe.runtime.decoding.sampling import SamplingParams
+
+    half = lambda ctx: np.array([0.5, 0.5, 0.0, 0.0])  # noqa: E731  (both at θ = 0.5)
+    target = lambda ctx: np.array([0.2, 0.3, 0.5, 0.0])  # noqa: E731
+    dec = SpeculativeDecoder(StubModel(target, half, vocab=4), get_method("confidence"),
+                             SpecSettings(draft_topk=1, draft_cap=2), CostConstants(1.0, 0.001, 0.0, 0.0),
+                             SamplingParams(temperature=1.0, seed=0, sampler="standard"))
+    laws = []
+    chain = dec._draft_chain
+
+    def spy(*args, **kwargs):
+        d = chain(*args, **kwargs)
+        laws.extend(d.dists)
+        return d
+
+    dec._draft_chain = spy
+    dec.generate([START], 6)
+    assert laws and all(np.allclose(q, [0.5, 0.5, 0.0, 0.0]) for q in laws), laws

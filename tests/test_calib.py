@@ -155,6 +155,13 @@ def test_interrupted_profile_leaves_existing_profile_untouched(calib_model, tmp_
     assert {"offload", "hot_experts", "decode_steps"} <= set(kept)  # samples gathered so far survive
     assert "verification" not in kept
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+    # a samples file written before bounds were flagged (no "bandwidth_is_bound"), whose reads never
+    # grew with size: --resume refits its samples into a flagged, finite bound, not its old slope
+    old = json.loads((tmp_path / "device.samples.json").read_text())
+    sizes = old["offload"]["request_sizes"]
+    old["offload"] = {"samples": [[n, 1e-4] for n in sizes for _ in range(3)], "request_sizes": sizes,
+                      "bandwidth_mb_s": 554000.0, "latency_us": 0.0, "fit_r2": 0.1}
+    (tmp_path / "device.samples.json").write_text(json.dumps(old))
     # --resume continues: the measured stages are reused, not re-measured
     monkeypatch.undo()
     monkeypatch.setattr(measure, "routing_traces", boom)
@@ -166,6 +173,8 @@ def test_interrupted_profile_leaves_existing_profile_untouched(calib_model, tmp_
     assert fit["scored_on"] == "decode passes" and fit["controlled_weight"] in profile_cmd.CONTROLLED_WEIGHTS
     assert fit["cv_mape_percent"] > 0
     assert data["hot_experts"] == kept["hot_experts"]  # the interrupted run's stages, not re-measured
+    assert data["offload"]["bandwidth_is_bound"] is True and data["offload"]["fit_r2"] is None
+    assert data["offload"]["bandwidth_mb_s"] == pytest.approx(max(sizes) / 1e-4 / 1e6)
 
 
 def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
@@ -178,7 +187,7 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     assert os.path.exists(tmp_path / "tiny.samples.json")
     # no --model: validate checks the profile's own model (not the embedded one) and records its verdict
     r = calib("validate", "--profile", str(out), "-w", WORKLOAD, "--n-prompts", "4",
-              "--max-tokens", "12", "--json", "--min-r2", "-1000", "--max-mape", "1000", "--rounds", "3")
+              "--max-tokens", "12", "--json", "--min-r2", "-1e9", "--max-mape", "1e9", "--rounds", "3")
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr
     res = json.loads(r.stdout)
@@ -293,6 +302,15 @@ def test_export_of_a_measured_profile_by_hand(tmp_path):
     assert line == ["--prune-tpot", "120.5", "--prune-eps", "8.25", "--prune-expert-bytes", "3.0",
                     "--prune-bandwidth", "4.0", "--draft-expert-topk", "2", "--moe-reuse-expert-cap", "16",
                     "--draft", "6"]
+
+
+def test_export_keeps_the_fitted_miss_time_to_the_flags_precision(tmp_path):
+    """MiB / bandwidth is what the fork charges per miss: for 3 MiB and T_exp 7 ms the bandwidth is
+    0.428571 MiB/ms, and the pair must give back 7 ms (a bandwidth rounded to 0.43 gives 6.98)."""
+    from s2moe.calib.fit_export import llama_cpp_flags
+
+    flags = llama_cpp_flags(load_profile(_measured_profile_with(tmp_path, t_exp_miss_ms=7.0)).data)
+    assert flags["prune_expert_bytes"] / flags["prune_bandwidth"] == pytest.approx(7.0, rel=1e-5)
 
 
 def test_export_of_a_profile_whose_misses_cost_nothing(tmp_path):

@@ -113,7 +113,7 @@ def test_validate_uses_the_profiles_model_and_records_its_verdict(profile_18m, t
     one_line_error(r, 2, str(other), "model.path", "--model")
     before = load_profile(str(out)).data["validation"]
     r = calib("validate", "--profile", str(out), "--n-prompts", "2", "--max-tokens", "8", "--rounds", "1",
-              "--min-r2", "-1000", "--max-mape", "1000", "--json")
+              "--min-r2", "-1e9", "--max-mape", "1e9", "--json")
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr
     res = json.loads(r.stdout)
@@ -132,7 +132,7 @@ def test_validate_warns_when_the_model_is_not_the_profiles(tmp_path):
     data["device"].update(kind="cpu", offload_tier="file")
     path.write_text(json.dumps(data))
     r = calib("validate", "--profile", str(path), "--n-prompts", "2", "--max-tokens", "8", "--rounds", "1",
-              "--min-r2", "-1000", "--max-mape", "1000", "--json")
+              "--min-r2", "-1e9", "--max-mape", "1e9", "--json")
     assert r.returncode == 0, r.stderr
     warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "OLMoE-1B-7B" in warnings[0] and str(path) in warnings[0]
@@ -307,15 +307,35 @@ def test_profile_warns_when_its_own_fit_is_poor(profile_18m, tmp_path, monkeypat
 
 # -- C_draft is timed as the run drafts: resident experts only, no fetches -------------------------
 
-def test_profile_times_c_draft_without_fetches(tmp_path):
-    """Under a slow emulated tier an AR step waits on its misses; the run's draft (resident experts
-    only) never does, so its C_draft must not either: timed with fetches it came out at half of T_AR."""
-    out = tmp_path / "slow.json"
-    r = calib("profile", "--device", "cpu", "--budget", "0.25", "--emulate-bandwidth", "20", "--out", str(out),
-              "--samples", "10", "--n-prompts", "1", "--decode-tokens", "4", "--rounds", "1")  # fit unused: one prompt
-    assert r.returncode == 0, r.stderr
-    c = load_profile(str(out)).data["cost_model"]
-    assert c["c_draft_ms"] < 0.2 * c["t_ar_ms"], (c["c_draft_ms"], c["t_ar_ms"])
+def test_profile_times_c_draft_without_fetches(tmp_path, monkeypatch):
+    """The run's draft routes to resident experts only and never fetches, so `profile` must time
+    C_draft the same way: timed with fetches it came out at half of T_AR under a slow tier. Counted,
+    not timed: which steps read experts does not depend on how busy the machine is (a ratio of
+    C_draft to T_AR did, under load)."""
+    from typer.testing import CliRunner
+
+    from s2moe.calib import measure
+    from s2moe.calib.cli import app
+
+    timed = measure.decode_step_times
+    reads = []  # (steps timed, expert reads during them), one per call: T_AR's, then C_draft's
+
+    def counting(model, prompts, tokens, policy, tick=lambda: None):
+        phases = lambda: sum(s.misses for s in model.experts.stats.values())  # noqa: E731
+        before = phases()
+        steps = timed(model, prompts, tokens, policy, tick)
+        reads.append((len(steps), phases() - before))
+        return steps
+
+    monkeypatch.setattr(measure, "decode_step_times", counting)
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", "--device", "cpu", "--budget", "0.25", "--out", str(out),
+                                 "--samples", "10", "--n-prompts", "1", "--decode-tokens", "4", "--rounds", "1"])
+    assert r.exit_code == 0, r.output
+    assert len(reads) == 2, reads
+    (ar_steps, ar_reads), (draft_steps, draft_reads) = reads
+    assert ar_steps > 0 and ar_reads > 0  # at 25 % an AR step misses: the count can see fetches
+    assert draft_steps > 0 and draft_reads == 0, reads
 
 
 def test_fit_matches_older_samples_by_the_model_they_name(tmp_path):

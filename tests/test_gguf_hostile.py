@@ -105,11 +105,26 @@ def _gguf_case(data: bytes, case: str) -> tuple[bytes, str]:
         src, dst = tensors[first][1], tensors[second][1]
         b[dst:dst + 8] = b[src:src + 8]
         return bytes(b), "overlap"
+    # tensors by their data offset (relative to the data section), with the room up to the next one
+    rel = {name: struct.unpack_from("<Q", data, at)[0] for name, (_, at) in tensors.items()}
+    order = sorted(rel, key=rel.get)
+    room = {a: rel[b] - rel[a] for a, b in zip(order, order[1:])}
+    if case == "partly overlapping tensors":  # not at the same offset: B starts 32 bytes into A
+        big = max(room, key=room.get)
+        small = next(n for n in order[:-1] if n != big and room[n] <= room[big] - 32)
+        b[tensors[small][1]:tensors[small][1] + 8] = struct.pack("<Q", rel[big] + 32)
+        return bytes(b), "overlap"
+    if case == "tensor past the end by less than the header":
+        # the last tensor moved 64 bytes on: its end passes the file's end (padding < 32), though its
+        # offset within the data section plus its size does not (the header is far over 64 bytes)
+        last = order[-1]
+        b[tensors[last][1]:tensors[last][1] + 8] = struct.pack("<Q", rel[last] + 64)
+        return bytes(b), "truncated GGUF file"
     raise ValueError(case)
 
 
 GGUF_CASES = ["10^12 tensors", "10^12 metadata entries", "string length", "duplicate tensor", "duplicate metadata key",
-              "overlapping tensors"]
+              "overlapping tensors", "partly overlapping tensors", "tensor past the end by less than the header"]
 
 
 @pytest.mark.parametrize("case", GGUF_CASES)

@@ -92,3 +92,10 @@ def test_a_bomb_as_tokenizer_config_of_the_server(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(BOMB)
     with pytest.raises(UsageError, match="tokenizer_config.json: not readable JSON"):
         load_chat_template(str(tmp_path))
+
+
+def test_a_bomb_as_the_samples_file_to_resume(tmp_path):
+    (tmp_path / "p.samples.json").write_text(BOMB)
+    code, _, stderr = invoke(calib_app, "profile", "--device", "cpu", "--out", tmp_path / "p.json", "--resume")
+    one_line_error(code, stderr, "p.samples.json", "nothing to resume")
+    assert not (tmp_path / "p.json").exists()

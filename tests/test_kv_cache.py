@@ -21,6 +21,15 @@ def test_draft_writes_stay_uncommitted_and_rollback_is_exact():
     assert kv.trim(0) == 0 and kv.trim(2) == 2 and (kv.length, kv.filled) == (0, 0)  # the bounds: none, all
 
 
+def test_trim_counts_back_from_the_valid_end_drafts_included():
+    kv = make()
+    kv.begin_write(0, 4)
+    kv.commit(4)
+    kv.begin_write(4, 3)  # 4 committed, 3 drafted: the last valid position is 6
+    assert kv.trim(2) == 2 and (kv.length, kv.filled) == (4, 5)  # two draft positions gone, one kept
+    assert kv.trim(3) == 3 and (kv.length, kv.filled) == (2, 2)  # the draft, then two committed
+
+
 @pytest.mark.parametrize("bad", [-1, 5])
 def test_invalid_rollback_raises(bad):
     kv = make()

@@ -92,7 +92,9 @@ def test_live_miss_cost_follows_the_emulated_link_changed_mid_run():
     ids = [int(t) for t in np.random.default_rng(7).integers(0, 6000, 12)]
     _run_until(decoder, ids, 30)
     first = decoder.live.current()
-    assert abs(first.t_exp_miss / (expert / 10e6) - 1) < 0.10  # one 10 MB/s transfer per miss
+    # one 10 MB/s transfer per miss. Loose here (compute bursts under load move this leg's slope by
+    # up to ~9 %); the bugs it guards against are far off (the prior's 1 ms, a read priced per batch)
+    assert abs(first.t_exp_miss / (expert / 10e6) - 1) < 0.25, (first.t_exp_miss, expert / 10e6)
     engine.emulation.bandwidth_mb_s = 2.5  # the link slows 4× mid-run
     _run_until(decoder, ids, 20)
     after = decoder.live.current()
@@ -131,16 +133,24 @@ def test_the_wait_for_prefetched_experts_is_a_running_mean_per_expert():
 
 def test_live_in_flight_cost_is_what_verification_waited_for_prefetches():
     # a 10 MB/s link: a prefetch needs ~17 ms, far longer than a draft pass, so verification
-    # still waits for most of what the draft prefetched; AE must not price those as hits
+    # still waits for most of what the draft prefetched; AE must not price those as hits. Under
+    # load, compute can slow 5× and let the prefetches land during the passes (a stress run saw
+    # 1.9 ms waited per 17 ms read), so a short wait is retried once on a link 4× slower; a wait
+    # that is not recorded at all fails both
     engine = build_engine(str(DEFAULT_MODEL), "0.25", 256, emulate_bandwidth=10.0)
-    miss = engine.cache.store.stored_bytes(0, 0) / 10e6
     settings = SpecSettings(draft_topk=2, draft_cap=4)  # prefetch on
-    decoder = SpeculativeDecoder(engine.model, get_method("ca"), settings, PRIOR, live=True)
     ids = [int(t) for t in np.random.default_rng(7).integers(0, 6000, 12)]
-    _run_until(decoder, ids, 10)
-    stats = engine.cache.prefetch_stats
-    assert stats.used > 0 and decoder.live.inflight.n > 0
-    assert decoder.costs.t_exp_inflight > 0.2 * miss, (decoder.costs.t_exp_inflight, miss, stats.to_dict())
+    seen = []
+    for mb_s in (10.0, 2.5):
+        engine.emulation.bandwidth_mb_s = mb_s
+        miss = engine.cache.store.stored_bytes(0, 0) / (mb_s * 1e6)
+        decoder = SpeculativeDecoder(engine.model, get_method("ca"), settings, PRIOR, live=True)
+        _run_until(decoder, ids, 10)
+        assert engine.cache.prefetch_stats.used > 0 and decoder.live.inflight.n > 0
+        seen.append((mb_s, decoder.costs.t_exp_inflight, miss, engine.cache.prefetch_stats.to_dict()))
+        if decoder.costs.t_exp_inflight > 0.2 * miss:
+            return
+    raise AssertionError(f"verification waited too little for prefetched experts on either link: {seen}")
 
 
 def test_the_start_up_estimate_prices_a_miss_at_one_expert_read():
@@ -153,6 +163,13 @@ def test_the_start_up_estimate_prices_a_miss_at_one_expert_read():
 
     engine = build_engine(str(DEFAULT_MODEL), "0.25", 64, emulate_bandwidth=20.0)
     read = engine.cache.store.stored_bytes(0, 0) / 20e6
-    costs = estimate_costs(engine.model, [5, 99, 1000, 42], RoutingPolicy(top_k=2))
-    assert 0.7 < (costs.t_exp_miss - costs.t_exp_hit) / read < 1.6, (costs, read)
+    ratios = []
+    for _ in range(3):  # the emulated link is a floor, so load can only raise the ratio: retry a high one
+        costs = estimate_costs(engine.model, [5, 99, 1000, 42], RoutingPolicy(top_k=2))
+        ratios.append((costs.t_exp_miss - costs.t_exp_hit) / read)
+        assert ratios[-1] > 0.7, (costs, read)
+        if ratios[-1] < 1.6:
+            break
+    else:
+        raise AssertionError(f"a miss priced above 1.6 reads three times: {ratios}")
     engine.close()

@@ -203,7 +203,10 @@ def test_a_failed_write_leaves_the_profile_whole(setup, tmp_path, monkeypatch):
 def test_a_drifted_run_names_the_update_command(setup, tmp_path):
     prof = _copy(setup, tmp_path)
     data = json.loads(prof.read_text())
-    data["cost_model"]["t_ar_ms"] *= 5  # a stale profile: the device is now 5× faster per step
+    # a stale profile that says the device is 20× faster per step than it is: load only slows the
+    # run, so the drift stays far past the 10 % mark even if the profile was timed in a slow burst
+    # (a 5× faster device would vanish into a 5× burst)
+    data["cost_model"]["t_ar_ms"] /= 20
     prof.write_text(json.dumps(data))
     log = tmp_path / "run.passes.json"
     r = s2moe("run", "--profile", str(prof), "-p", PROMPT, "-n", "32", "--ignore-eos", "--backend", "numpy",
@@ -212,6 +215,15 @@ def test_a_drifted_run_names_the_update_command(setup, tmp_path):
     note = [line for line in r.stderr.splitlines() if "drifted from" in line]
     assert len(note) == 1 and "t_ar" in note[0]
     assert f"s2moe-calib profile --update {prof} --passes {log}" in note[0]
+
+
+def test_a_samples_file_that_cannot_be_read_is_left_out(setup, tmp_path):
+    """The profile's own samples file beside it is optional evidence: a nested-JSON bomb there is
+    read as no samples (as a missing file is), not a traceback."""
+    prof = _copy(setup, tmp_path, with_samples=False)
+    (tmp_path / "p.samples.json").write_text("[" * 200_000 + "]" * 200_000)
+    r = calib("profile", "--update", str(prof), "--passes", str(setup.logs["ar"]))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
 
 
 def test_trace_and_passes_must_be_different_files(tmp_path):

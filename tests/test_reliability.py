@@ -278,7 +278,7 @@ def test_fingerprint_samples_past_the_first_mib_of_a_large_file(tmp_path):
 
     from s2moe.runtime.profile import model_fingerprint
 
-    def fake_model(name: str, poke: int | None):
+    def fake_model(name: str, poke: int | None, config=None):
         path = tmp_path / name
         with open(path, "wb") as f:
             f.truncate(130 << 20)
@@ -286,13 +286,16 @@ def test_fingerprint_samples_past_the_first_mib_of_a_large_file(tmp_path):
                 f.seek(poke)
                 f.write(b"\x01")
         ref = SimpleNamespace(path=str(path), name="blk.0.ffn_up_exps.weight", dtype="F16", shape=(2,), nbytes=4)
-        return SimpleNamespace(config=SimpleNamespace(to_dict=lambda: {"arch": "test"}),
+        return SimpleNamespace(config=SimpleNamespace(to_dict=lambda: config or {"arch": "test"}),
                                experts={(0, 0): SimpleNamespace(refs=[ref])})
 
     base = model_fingerprint(fake_model("a.gguf", None))
     assert model_fingerprint(fake_model("b.gguf", None)) == base  # same bytes, another name: same model
     assert model_fingerprint(fake_model("c.gguf", (64 << 20) + 10)) != base
     assert model_fingerprint(fake_model("d.gguf", (128 << 20) + 10)) != base
+    assert model_fingerprint(fake_model("e.gguf", (1 << 20) - 1)) != base  # the first MiB, to its last byte
+    # same bytes, another config (a changed rms_norm_eps or rope changes every logit): another model
+    assert model_fingerprint(fake_model("f.gguf", None, {"arch": "test", "rms_norm_eps": 1e-5})) != base
 
 
 def test_a_profile_without_a_policy_for_another_model_only_warns(tiny_model_dirs, tmp_path):

@@ -125,7 +125,7 @@ def test_stop_sequence_cuts_the_text(client):
     assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
 
 
-def test_two_concurrent_requests_finish_in_arrival_order(client):
+def test_two_concurrent_requests_finish_in_arrival_order(client, server):
     results: dict[str, object] = {}
 
     def ask(key, n):
@@ -134,7 +134,12 @@ def test_two_concurrent_requests_finish_in_arrival_order(client):
     first = threading.Thread(target=ask, args=("first", 48))
     second = threading.Thread(target=ask, args=("second", 4))
     first.start()
-    time.sleep(0.3)  # the first is decoding when the second arrives
+    # the first is decoding when the second arrives: wait until the worker says so (a fixed sleep
+    # let the second overtake when a loaded machine was slow to start the first)
+    deadline = time.monotonic() + 60
+    while not _get(server + "/health")["busy"]:
+        assert time.monotonic() < deadline and first.is_alive(), "the first request never started decoding"
+        time.sleep(0.01)
     second.start()
     first.join(120)
     second.join(120)

@@ -197,7 +197,21 @@ def test_greedy_tree_accepts_the_second_branch_and_moves_its_kv():
             return accepted, nxt
 
         dec._verify = spy
-        tokens = dec.generate(prompt, 20).tokens
+        # es keeps its own draft KV: whatever it treats as valid when it drafts again must hold the
+        # text (after a first branch won, it holds the second branch's tokens past the root)
+        draft_root, stale = dec._draft_root, []
+
+        def check(feed, kv):
+            held = kv.keys[0][0, :kv.filled, 0].astype(int).tolist()
+            text = prompt + dec_out[0]
+            if held != text[:kv.filled]:
+                stale.append((held, text))
+            return draft_root(feed, kv)
+
+        dec._draft_root = check
+        dec_out = [[]]
+        tokens = dec.generate(prompt, 20, on_token=dec_out[0].append).tokens
+        assert not stale, stale[:2]
         assert tokens == generate_ar(model, prompt, 20).tokens
         committed = dec.kv.keys[0][0, :dec.kv.length, 0].astype(int).tolist()
         assert committed == prompt + tokens[:-1]  # the stub's KV holds each slot's token id
