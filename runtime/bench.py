@@ -96,12 +96,14 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         start = engine.cache.report()
         before = phase_bytes(start)
         spent = {"draft": 0.0, "verify": 0.0}
+        ae = [0, 0.0, 0]  # AE's verified draft tokens: count, predicted acceptance summed, kept
         if trace is not None:
             trace.start(engine.cache)
         for p in ids:
             result = decoder.generate(p, max_tokens)
             spent["draft"] += result.metrics.draft_seconds
             spent["verify"] += result.metrics.verify_seconds
+            ae = [ae[0] + result.metrics.ae_tokens, ae[1] + result.metrics.ae_predicted, ae[2] + result.metrics.ae_kept]
             st = result.stats()
             samples.append(result.decode_tokens_per_s)
             acc.append(st["acceptance_length"])
@@ -126,14 +128,17 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
             params={"method": name, "workload": path.name, "budget": budget or "1.0", "n_prompts": len(ids),
                     "emulation": emulation,
                     "max_tokens": max_tokens, "draft_topk": settings.draft_topk, "draft_cap": settings.draft_cap,
-                    "temperature": params.temperature, "draws": params.draws},
+                    "temperature": params.temperature, "draws": params.draws, "acceptance": settings.acceptance},
             extra={"acceptance_length": statistics.mean(a for a in acc if a is not None),
                    "reuse_ratio": statistics.mean(reuse) if reuse else None,
                    "bytes_fetched_per_token": fetched / max(tokens, 1),
                    "decode_tokens_per_s_aggregate": throughput[name],
                    "ms_per_token": breakdown,
                    "cost_constants": costs.to_dict() if costs else None,
-                   "live_costs": live_now},
+                   "live_costs": live_now,
+                   # how well AE's acceptance probabilities matched what verification kept
+                   "ae_acceptance": {"tokens": ae[0], "predicted": round(ae[1] / ae[0], 4),
+                                     "observed": round(ae[2] / ae[0], 4)} if ae[0] else None},
         ))
     base = throughput.get("ar")
     for r in records:

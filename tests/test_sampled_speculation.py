@@ -369,7 +369,7 @@ def test_a_truncation_that_leaves_one_token_drafts_no_second_branch():
 def test_ae_under_coupled_drops_a_token_that_cannot_pay(sampler):
     """Coupled verification needs no draft law, so AE drops a refused token as greedy does (standard
     keeps it and stops, to keep its law q). With PICKY constants (T_AR / C_draft = 2.5) and no expert
-    costs, U_i = prefix probability × 2.5: coupled drafts only tokens with U_i ≥ 1."""
+    costs, U_i = prefix acceptance probability (AE's p_i) × 2.5: coupled drafts only tokens with U_i ≥ 1."""
     utilities = []
     for seed in range(40):
         dec = SpeculativeDecoder(StubModel(table_target, table_draft, vocab=4), get_method("ca+ae", reuse_gating=False),
@@ -378,7 +378,7 @@ def test_ae_under_coupled_drops_a_token_that_cannot_pay(sampler):
         verify = dec._verify
 
         def spy(root, P, branches, *args):
-            utilities.extend(np.cumprod(branches[0].token_probs) * 2.5)
+            utilities.extend(np.cumprod(branches[0].p_accept) * 2.5)  # the p_i AE used (learned)
             return verify(root, P, branches, *args)
 
         dec._verify = spy

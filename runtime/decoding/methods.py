@@ -75,6 +75,9 @@ class SpecSettings:
     draft_fallback: str = "best"
     # read the experts the draft predicts for verification while it drafts (within the budget)
     prefetch: bool = True
+    # AE's p_i: "learned" (P(accepted | draft confidence) from the run's verifications; see
+    # acceptance.py) or "confidence" (the draft's own probability, as the paper has it)
+    acceptance: str = "learned"
 
     def validate(self, top_k: int, num_experts: int, moe_layers=None) -> "SpecSettings":
         """Every setting through `checks.number`; ``moe_layers`` (the model's MoE layer ids)
@@ -94,6 +97,8 @@ class SpecSettings:
         number("confidence threshold", self.confidence_threshold, low=0, high=1)
         if self.rg_variant not in ("paper", "code", "resident"):
             raise UsageError(f"--rg-variant {self.rg_variant!r}: choose paper, code or resident")
+        if self.acceptance not in ("learned", "confidence"):
+            raise UsageError(f"--acceptance {self.acceptance!r}: choose learned or confidence")
         if self.draft_fallback not in ("best", "skip"):
             raise UsageError(f"--draft-fallback {self.draft_fallback!r}: choose best or skip")
         return self

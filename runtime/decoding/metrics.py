@@ -34,6 +34,15 @@ class SpecMetrics:
     # AR steps, the same row with n_tokens = 1; draft phases: (tokens drafted, seconds)
     ar_samples: list[tuple[int, int, int, float]] = field(default_factory=list)
     draft_samples: list[tuple[int, float]] = field(default_factory=list)
+    # AE's verified draft tokens: how many, the acceptance it predicted for them (summed), how many kept
+    ae_tokens: int = 0
+    ae_predicted: float = 0.0
+    ae_kept: int = 0
+
+    def record_acceptance(self, predicted: float, kept: bool) -> None:
+        self.ae_tokens += 1
+        self.ae_predicted += predicted
+        self.ae_kept += int(kept)
 
     def record_verification(self, record, batch: int, accepted_rows: list[int], drafted: int, accepted: int,
                             top_k: int) -> None:
@@ -67,4 +76,8 @@ class SpecMetrics:
             "draft_seconds": round(self.draft_seconds, 6),
             "verify_seconds": round(self.verify_seconds, 6),
             **({"cascade_choices": self.cascade_choices} if self.cascade_choices else {}),
+            # calibration of AE's acceptance probabilities: mean predicted vs observed, same tokens
+            **({"ae_acceptance": {"tokens": self.ae_tokens,
+                                  "predicted": round(self.ae_predicted / self.ae_tokens, 4),
+                                  "observed": round(self.ae_kept / self.ae_tokens, 4)}} if self.ae_tokens else {}),
         }

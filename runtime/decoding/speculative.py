@@ -28,6 +28,7 @@ from ..model.kv_cache import KVCache
 from .methods import MethodSpec, SpecSettings
 from ..model.forward import MoEModel
 from ..model.routing import TARGET, RoutingPolicy, RoutingRecord, softmax, top_k_indices
+from .acceptance import AcceptanceModel
 from .sampling import SamplingParams, draws_for, probabilities, sample
 from .metrics import SpecMetrics
 
@@ -46,6 +47,7 @@ def marginal_verification_cost(new_experts: set[Key], state, costs: CostConstant
 class Draft:
     tokens: list[int] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)  # q(d_i) of each draft token
+    p_accept: list[float] = field(default_factory=list)  # AE's P(d_i accepted | d_<i accepted) when drafted
     # the law d_i has *given that it was admitted* (standard sampling only): q(·) under a fixed-length
     # rule and AE (which stops after a token rather than dropping it), q restricted to {q ≥ θ} under
     # the confidence rule; None where verification needs no law (greedy, coupled, a forced tree branch)
@@ -77,6 +79,10 @@ class SpeculativeDecoder:
                                           fallback=settings.draft_fallback)
         self.metrics = SpecMetrics()
         self._cascade_k: int | None = None
+        # AE's acceptance probabilities: learned from this decoder's verifications (kept across
+        # prompts, as live costs are), or the draft's confidence as the paper has it
+        self.acceptance = AcceptanceModel() if method.admit == "utility" else None
+        self._learned = settings.acceptance == "learned"
 
     # -- helpers --------------------------------------------------------------------------------
     def _state(self, key: Key) -> str:
@@ -138,6 +144,16 @@ class SpeculativeDecoder:
         second = int(top_k_indices(scores[None, :], 2)[0, 1])
         return second if scores[second] > 0 else None
 
+    def _learn_acceptance(self, d: Draft, accepted: int) -> None:
+        """Each verified token of a branch (those up to its first rejection) teaches AE's
+        acceptance model; the metrics keep what AE predicted for them against what happened."""
+        if self.acceptance is None:
+            return
+        for i in range(min(accepted + 1, len(d.tokens))):
+            kept = i < accepted
+            self.acceptance.observe(d.token_probs[i], kept)
+            self.metrics.record_acceptance(d.p_accept[i], kept)
+
     def _draft_length(self) -> int:
         m, s = self.method, self.settings
         if m.admit == "utility" and s.backoff and self._skip > 0:
@@ -184,7 +200,8 @@ class SpeculativeDecoder:
             # instead the token (drawn from q) is verified and drafting stops after it: the stop is
             # a stopping time of the drafted tokens, and speculative sampling stays exact.
             last = False
-            if m.admit == "utility" and prefix * prob * costs.t_ar / costs.c_draft < s.utility_threshold:
+            p_acc = self.acceptance.p(prob) if self.acceptance is not None and self._learned else prob
+            if m.admit == "utility" and prefix * p_acc * costs.t_ar / costs.c_draft < s.utility_threshold:
                 if dist is None:
                     break  # even with ΔC_ver = 0 the token cannot pay for itself: skip its draft pass
                 last = True
@@ -197,15 +214,16 @@ class SpeculativeDecoder:
             if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
                 new = self._predicted_experts(rec, 0, selected) - selected
                 delta = marginal_verification_cost(new, self._state, costs)
-                utility = prefix * prob * costs.t_ar / (delta + costs.c_draft)
+                utility = prefix * p_acc * costs.t_ar / (delta + costs.c_draft)
                 if utility < s.utility_threshold:
                     if dist is None:
                         break
                     last = True
                 selected |= new
-            prefix *= prob
+            prefix *= p_acc
             d.tokens.append(token)
             d.token_probs.append(prob)
+            d.p_accept.append(p_acc)
             d.dists.append(dist)
             if last:
                 break
@@ -292,6 +310,7 @@ class SpeculativeDecoder:
         best, offset = None, 0
         for b, d in enumerate(branches):
             a, nxt = self._accept_chain(logits, d, draws, at, offset)
+            self._learn_acceptance(d, a)
             if best is None or a > best[0]:
                 best = (a, nxt, b, offset)
             offset += len(d.tokens)

@@ -1,0 +1,65 @@
+"""How likely a draft token is to be accepted, learned from the verifications a run makes.
+
+AE's utility U_i = p_i · T_AR / (ΔC_ver + C_draft) needs p_i, the probability that verification
+accepts draft token i given that the tokens before it were. The paper takes the draft's own
+confidence q(d_i). Under greedy verification that is not a probability of acceptance: a token is
+accepted when it is also the target's argmax, and a draft that shares the target's weights agrees
+on the argmax far more often than its flat distribution suggests. Measured on the embedded model
+(`ca`, draft top-2 of 4, 12 prompts × 64 tokens, 736 drafted tokens): tokens drafted at q < 0.1
+were accepted 79 % of the time, at 0.1–0.2 89 %, at ≥ 0.6 100 %. AE fed with q declines drafts
+that would have paid.
+
+`AcceptanceModel` keeps decayed counts of (accepted, drafted) per confidence bin and returns a
+shrunk estimate: a bin's rate pulled toward the pooled rate of every bin, which is in turn pulled
+toward q. With no evidence it returns q (the paper's rule). The pooled rate moves with the first
+verified tokens, so bins AE has not drafted from yet start from what the run has seen elsewhere
+rather than from q (which would never draft them and so never learn them).
+
+Only what the draft decides changes: which tokens are verified is still decided before the target
+runs, from past verifications and the draft alone, so greedy output is unchanged and sampled
+verification stays exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# bin edges over the draft's confidence: finer at the low end, where the disagreement is
+EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+
+
+class AcceptanceModel:
+    def __init__(self, prior_weight: float = 2.0, half_life: float = 256.0):
+        self.prior_weight = prior_weight  # pseudo-observations behind each shrinkage step
+        self.decay = 0.5 ** (1.0 / half_life)  # the run's recent verifications count most
+        self.accepted = np.zeros(len(EDGES) + 1)
+        self.drafted = np.zeros(len(EDGES) + 1)
+        self.observed = 0
+
+    @staticmethod
+    def bin(q: float) -> int:
+        return int(np.searchsorted(EDGES, q, side="right"))
+
+    def observe(self, q: float, accepted: bool) -> None:
+        """One verified draft token: its draft confidence and whether verification kept it."""
+        self.accepted *= self.decay
+        self.drafted *= self.decay
+        b = self.bin(q)
+        self.accepted[b] += float(accepted)
+        self.drafted[b] += 1.0
+        self.observed += 1
+
+    def p(self, q: float) -> float:
+        """P(accepted | confidence q, the tokens before it accepted)."""
+        w = self.prior_weight
+        pooled = (self.accepted.sum() + w * q) / (self.drafted.sum() + w)
+        b = self.bin(q)
+        return float((self.accepted[b] + w * pooled) / (self.drafted[b] + w))
+
+    def table(self) -> list[dict]:
+        """Per bin with evidence: its confidence range, weight of evidence and estimate (for reports)."""
+        lows = np.concatenate([[0.0], EDGES])
+        highs = np.concatenate([EDGES, [1.0]])
+        return [{"q": [float(lo), float(hi)], "drafted": round(float(n), 2),
+                 "p_accept": round(self.p((lo + hi) / 2), 4)}
+                for lo, hi, n in zip(lows, highs, self.drafted) if n > 0]
