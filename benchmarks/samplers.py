@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.counting import prompts_of, resident_model, unused_costs  # noqa: E402
 from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
 
 
@@ -46,23 +47,13 @@ def main() -> None:
     ap.add_argument("--out", default="docs/results/samplers")
     args = ap.parse_args()
 
-    from s2moe.runtime.bench import resolve_workload
-    from s2moe.runtime.cli.common import DEFAULT_MODEL
-    from s2moe.runtime.decoding.cost_model import CostConstants
     from s2moe.runtime.decoding.methods import SpecSettings, get_method
     from s2moe.runtime.decoding.sampling import SamplingParams, probabilities
     from s2moe.runtime.decoding.speculative import SpeculativeDecoder
-    from s2moe.runtime.engine import build_engine
-    from s2moe.runtime.model.loader import load_model
-    from s2moe.runtime.model.tokenizer import load_tokenizer
-    from s2moe.runtime.prompts import load_workload
 
-    path = args.model or str(DEFAULT_MODEL)
-    loaded = load_model(path)
-    engine = build_engine(path, loaded=loaded)
-    tok = load_tokenizer(loaded)
-    prompts = [tok.encode(p).ids for p in load_workload(resolve_workload(args.workload))[: args.n_prompts]]
-    costs = CostConstants(t_ar=1.0, c_draft=0.1, t_exp_miss=0.0, t_exp_hit=0.0)  # unused by ca
+    path, engine, tok = resident_model(args.model)
+    prompts = prompts_of(tok, [args.workload], args.n_prompts)
+    costs = unused_costs()
     records: list[Record] = []
     for temperature in (float(t) for t in args.temperatures.split(",")):
         for sampler in ("standard", "coupled"):
