@@ -121,6 +121,41 @@ def test_learned_acceptance_drafts_what_confidence_declines(method):
     assert learned["ae_acceptance"]["observed"] == 1.0 and learned["ae_acceptance"]["predicted"] > 0.9
 
 
+def test_ae_that_learned_never_kept_still_drafts_what_the_paper_would():
+    """A decoder whose model says nothing is ever kept (a past workload, another request) would draft
+    nothing and so never learn otherwise: p_i never goes below q, so q = 0.9 (U = 1.08 here, and all
+    kept) drafts, and the model relearns."""
+    sure = StubModel(lambda ctx: _dist(0.7, ctx[-1]), lambda ctx: _dist(0.9, ctx[-1]), vocab=4)
+    dec = SpeculativeDecoder(sure, get_method("ca+ae"), SpecSettings(draft_topk=1, draft_cap=4),
+                             CostConstants(t_ar=0.0024, c_draft=0.002, t_exp_miss=0.0, t_exp_hit=0.0))  # q=0.9: U 1.08
+    for _ in range(2000):
+        dec.acceptance.observe(0.95, False)
+    res = dec.generate([START], 300)
+    assert res.metrics.drafted > 100 and res.metrics.accepted == res.metrics.drafted, res.stats()
+    assert res.tokens == generate_ar(sure, [START], 300).tokens
+    before = 0.0  # what 2,000 rejections left (about 370 after the decay): p(0.95) ≈ 3e-5
+    assert dec.acceptance.p(0.95) > before + 0.2  # relearning: the new evidence outweighs the old
+
+
+def test_bench_reports_each_rules_calibration():
+    """Utility threshold 0: AE admits every token whatever the constants, so both rules verify the
+    same drafts (no timing in it); confidence predicts the draft's mean q, learned what is kept."""
+    import json
+
+    out = {}
+    for rule in ("confidence", "learned"):
+        code, stdout, err = s2moe("bench", "--methods", "ca+ae", "--n-prompts", "2", "--max-tokens", "32",
+                                  "-w", "humaneval", "--utility-threshold", "0", "--acceptance", rule, "--json", "-")
+        assert code == 0, err
+        rec = json.loads(stdout)["records"][-1]
+        assert rec["params"]["acceptance"] == rule
+        out[rule] = rec["extra"]["ae_acceptance"]
+    assert out["confidence"]["tokens"] == out["learned"]["tokens"] > 50
+    assert out["confidence"]["observed"] == out["learned"]["observed"]  # the same drafts, kept alike
+    assert out["confidence"]["observed"] - out["confidence"]["predicted"] > 0.2, out  # q understates it
+    assert abs(out["learned"]["observed"] - out["learned"]["predicted"]) < 0.1, out
+
+
 def test_only_ae_keeps_an_acceptance_model():
     for name, has in (("ca", False), ("confidence", False), ("cascade", False), ("ca+ae", True), ("s2moe", True)):
         dec = SpeculativeDecoder(_stub(), get_method(name), SpecSettings(draft_topk=1, draft_cap=4), UNSURE)

@@ -383,7 +383,7 @@ def test_ae_under_coupled_drops_a_token_that_cannot_pay(sampler):
 
         dec._verify = spy
         dec.generate([START], 16)
-    refused = sum(u < 1 for u in utilities)
+    refused = sum(u < 1 - 1e-9 for u in utilities)  # the decoder computes U in another order: rounding
     assert len(utilities) >= 100
     assert refused == 0 if sampler == "coupled" else refused >= 20, (sampler, refused, len(utilities))
 

@@ -13,11 +13,15 @@ that would have paid.
 shrunk estimate: a bin's rate pulled toward the pooled rate of every bin, which is in turn pulled
 toward q. With no evidence it returns q (the paper's rule). The pooled rate moves with the first
 verified tokens, so bins AE has not drafted from yet start from what the run has seen elsewhere
-rather than from q (which would never draft them and so never learn them).
+rather than from q (which would never draft them and so never learn them). AE never takes less
+than q itself (`SpeculativeDecoder._p_accept`): a model that learned "rarely kept" would otherwise
+stop drafting and so never learn otherwise, so it drafts at least what the paper's rule would.
 
-Only what the draft decides changes: which tokens are verified is still decided before the target
-runs, from past verifications and the draft alone, so greedy output is unchanged and sampled
-verification stays exact.
+Only how much is drafted changes. Which tokens are verified is decided before the target runs,
+from past verifications and the draft alone, so sampled verification stays exact; with gating off
+the greedy tokens (and a seed's coupled sample) are unchanged. With reuse-aware gating on (the
+default `s2moe` method) the drafted batch steers the target's routing, so there the text can change.
+`benchmarks/acceptance.py` measures the calibration this corrects.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ class AcceptanceModel:
         self.decay = 0.5 ** (1.0 / half_life)  # the run's recent verifications count most
         self.accepted = np.zeros(len(EDGES) + 1)
         self.drafted = np.zeros(len(EDGES) + 1)
-        self.observed = 0
 
     @staticmethod
     def bin(q: float) -> int:
@@ -47,7 +50,6 @@ class AcceptanceModel:
         b = self.bin(q)
         self.accepted[b] += float(accepted)
         self.drafted[b] += 1.0
-        self.observed += 1
 
     def p(self, q: float) -> float:
         """P(accepted | confidence q, the tokens before it accepted)."""
@@ -57,7 +59,7 @@ class AcceptanceModel:
         return float((self.accepted[b] + w * pooled) / (self.drafted[b] + w))
 
     def table(self) -> list[dict]:
-        """Per bin with evidence: its confidence range, weight of evidence and estimate (for reports)."""
+        """Per bin with evidence: its confidence range, weight of evidence and estimate."""
         lows = np.concatenate([[0.0], EDGES])
         highs = np.concatenate([EDGES, [1.0]])
         return [{"q": [float(lo), float(hi)], "drafted": round(float(n), 2),

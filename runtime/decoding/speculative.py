@@ -144,6 +144,13 @@ class SpeculativeDecoder:
         second = int(top_k_indices(scores[None, :], 2)[0, 1])
         return second if scores[second] > 0 else None
 
+    def _p_accept(self, q: float) -> float:
+        """AE's p_i for a token drafted at confidence q: learned, never below q (the paper's rule),
+        so a model that learned "rarely kept" still drafts what the paper would and keeps learning."""
+        if self.acceptance is None or not self._learned:
+            return q
+        return max(self.acceptance.p(q), q)
+
     def _learn_acceptance(self, d: Draft, accepted: int) -> None:
         """Each verified token of a branch (those up to its first rejection) teaches AE's
         acceptance model; the metrics keep what AE predicted for them against what happened."""
@@ -200,7 +207,7 @@ class SpeculativeDecoder:
             # instead the token (drawn from q) is verified and drafting stops after it: the stop is
             # a stopping time of the drafted tokens, and speculative sampling stays exact.
             last = False
-            p_acc = self.acceptance.p(prob) if self.acceptance is not None and self._learned else prob
+            p_acc = self._p_accept(prob)
             if m.admit == "utility" and prefix * p_acc * costs.t_ar / costs.c_draft < s.utility_threshold:
                 if dist is None:
                     break  # even with ΔC_ver = 0 the token cannot pay for itself: skip its draft pass
