@@ -14,8 +14,9 @@ from s2moe.runtime.checks import number
 from s2moe.runtime.cli.common import print_json, say
 from s2moe.runtime.cli.errors import cli_errors
 
+from .update import MIN_PASSES
+
 MIB = 1 << 20
-MIN_SAMPLES = 10  # passes a fit of 4 constants needs, as `profile --update` asks
 
 
 def fit(
@@ -40,8 +41,8 @@ def fit(
             raise UsageError(f"{samples_path}: no 'verification' samples; was it written by s2moe-calib profile?") from None
         check_samples(samples_path, controlled, "verification")
         check_samples(samples_path, decode, "decode_verification")
-        if len(controlled) + len(decode) < MIN_SAMPLES:
-            raise UsageError(f"{samples_path}: {len(controlled) + len(decode)} timed passes, at least {MIN_SAMPLES} are "
+        if len(controlled) + len(decode) < MIN_PASSES:  # a fit of 4 constants, as `profile --update` asks
+            raise UsageError(f"{samples_path}: {len(controlled) + len(decode)} timed passes, at least {MIN_PASSES} are "
                              "needed to fit 4 constants; re-run s2moe-calib profile")
         prof = load_profile(profile_path) if profile_path else None
         if prof is not None:

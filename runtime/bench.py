@@ -15,6 +15,7 @@ from .decoding.cost_model import CostConstants
 from .engine import build_engine
 from .errors import UsageError
 from .decoding.methods import SpecSettings, get_method
+from .decoding.metrics import acceptance_summary
 from .prompts import ASSET_PROMPTS, load_workload
 from .records import Record
 from .model.routing import RoutingPolicy
@@ -137,8 +138,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                    "cost_constants": costs.to_dict() if costs else None,
                    "live_costs": live_now,
                    # how well AE's acceptance probabilities matched what verification kept
-                   "ae_acceptance": {"tokens": ae[0], "predicted": round(ae[1] / ae[0], 4),
-                                     "observed": round(ae[2] / ae[0], 4)} if ae[0] else None},
+                   "ae_acceptance": acceptance_summary(*ae)},
         ))
     base = throughput.get("ar")
     for r in records:

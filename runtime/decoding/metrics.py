@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def acceptance_summary(tokens: int, predicted: float, kept: int) -> dict | None:
+    """AE's verified draft tokens: how many, the mean acceptance it predicted, the share kept."""
+    return {"tokens": tokens, "predicted": round(predicted / tokens, 4),
+            "observed": round(kept / tokens, 4)} if tokens else None
+
+
 @dataclass
 class SpecMetrics:
     verifications: int = 0
@@ -77,7 +83,6 @@ class SpecMetrics:
             "verify_seconds": round(self.verify_seconds, 6),
             **({"cascade_choices": self.cascade_choices} if self.cascade_choices else {}),
             # calibration of AE's acceptance probabilities: mean predicted vs observed, same tokens
-            **({"ae_acceptance": {"tokens": self.ae_tokens,
-                                  "predicted": round(self.ae_predicted / self.ae_tokens, 4),
-                                  "observed": round(self.ae_kept / self.ae_tokens, 4)}} if self.ae_tokens else {}),
+            **({"ae_acceptance": acceptance_summary(self.ae_tokens, self.ae_predicted, self.ae_kept)}
+               if self.ae_tokens else {}),
         }
