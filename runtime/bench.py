@@ -88,9 +88,11 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
     records, throughput = [], {}
     for name in methods:
         spec = get_method(name)
-        engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded, **(engine_kw or {}))
+        engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded, **(engine_kw or {}),
+                              draft_vocab=0 if spec.admit == "none" else settings.draft_vocab)
         if costs is None and estimate is not None:
-            costs = estimate(engine.model, ids[0], draft_policy)
+            costs = estimate(engine.model, ids[0], draft_policy,
+                             draft_head=engine.model.draft_head(settings.draft_vocab, settings.token_ranks))
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs, params, live=live and costs is not None)
         decoder.generate(ids[0][:16], 4)  # warm-up, untimed
         samples, acc, reuse, tokens, seconds, fetched = [], [], [], 0, 0.0, 0
@@ -98,6 +100,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         before = phase_bytes(start)
         spent = {"draft": 0.0, "verify": 0.0}
         ae = [0, 0.0, 0]  # AE's verified draft tokens: count, predicted acceptance summed, kept
+        vocab = [0, 0]  # emitted tokens inside the draft head, all emitted tokens
         if trace is not None:
             trace.start(engine.cache)
         for p in ids:
@@ -105,6 +108,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
             spent["draft"] += result.metrics.draft_seconds
             spent["verify"] += result.metrics.verify_seconds
             ae = [ae[0] + result.metrics.ae_tokens, ae[1] + result.metrics.ae_predicted, ae[2] + result.metrics.ae_kept]
+            vocab = [vocab[0] + result.metrics.vocab_covered, vocab[1] + result.metrics.vocab_tokens]
             st = result.stats()
             samples.append(result.decode_tokens_per_s)
             acc.append(st["acceptance_length"])
@@ -129,7 +133,8 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
             params={"method": name, "workload": path.name, "budget": budget or "1.0", "n_prompts": len(ids),
                     "emulation": emulation,
                     "max_tokens": max_tokens, "draft_topk": settings.draft_topk, "draft_cap": settings.draft_cap,
-                    "temperature": params.temperature, "draws": params.draws, "acceptance": settings.acceptance},
+                    "temperature": params.temperature, "draws": params.draws, "acceptance": settings.acceptance,
+                    "draft_vocab": settings.draft_vocab},
             extra={"acceptance_length": statistics.mean(a for a in acc if a is not None),
                    "reuse_ratio": statistics.mean(reuse) if reuse else None,
                    "bytes_fetched_per_token": fetched / max(tokens, 1),
@@ -138,7 +143,9 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                    "cost_constants": costs.to_dict() if costs else None,
                    "live_costs": live_now,
                    # how well AE's acceptance probabilities matched what verification kept
-                   "ae_acceptance": acceptance_summary(*ae)},
+                   "ae_acceptance": acceptance_summary(*ae),
+                   # FR-Spec: the share of emitted tokens the draft head could have proposed
+                   "draft_vocab_coverage": vocab[0] / vocab[1] if vocab[1] else None},
         ))
     base = throughput.get("ar")
     for r in records:

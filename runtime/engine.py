@@ -90,6 +90,7 @@ def build_engine(
     prefetch_slots: int | None = None,
     budget_from: str = "--budget",
     trim_hot: bool = False,
+    draft_vocab: int = 0,
 ) -> Engine:
     """``offload_tier``: "file" reads missing experts from the model file (Orin: SSD → pinned →
     device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device).
@@ -97,6 +98,8 @@ def build_engine(
     The memory plan is made before the dense part is read (``loaded`` may come without it:
     `load_model(path, dense=False)`), so a budget too small for it fails in one line first.
     ``preload``: when every expert fits, read them all now (the CLI's runs start warm).
+    ``draft_vocab``: lm-head rows a FR-Spec draft head copies (model/draft_head.py), planned with
+    the dense part.
     ``prefetch_slots``: experts a draft may read ahead for verification (default 2 × top-k under a
     budget, 0 when every expert is resident); counted in the plan's workspace."""
     loaded = loaded or load_model(model_path, dense=False)
@@ -117,7 +120,7 @@ def build_engine(
     slots = (0 if everything else 2 * loaded.config.top_k) if prefetch_slots is None else prefetch_slots
     plan = plan_memory(loaded, parsed, kv_positions, experts_only, batch=batch, window=window,
                        reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
-                       prefetch=slots)
+                       prefetch=slots, draft_head=draft_head_bytes(loaded, draft_vocab))
     release_freed_memory_promptly()
     if backend.on_device and hasattr(backend, "limit_memory"):  # the budget binds on the device too;
         # slack for the pool's allocation rounding and cuBLAS workspaces
@@ -151,6 +154,14 @@ def build_engine(
     if preload and full:
         _preload(cache, sorted(loaded.experts))
     return Engine(loaded, MoEModel(loaded, cache, backend, ops), cache, plan, parsed, emulation)
+
+
+def draft_head_bytes(loaded: LoadedModel, n: int) -> int:
+    """What a draft head of ``n`` tokens holds: that share of the lm head's rows, as resident."""
+    if n <= 0:
+        return 0
+    head = loaded.dense_specs["lm_head"]
+    return -(-head.resident_bytes(False) * n // loaded.config.vocab_size)
 
 
 def _note(message: str) -> None:

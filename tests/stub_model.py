@@ -47,7 +47,8 @@ class StubModel:
         return KVCache(1, 1, 1, capacity)
 
     def forward(self, tokens, kv: KVCache, start=None, policy=TARGET, logits="all", record=True, positions=None,
-                tree_mask=None):
+                tree_mask=None, head=None):
+        """``head``: a draft head (model/draft_head.py): the logits of its tokens, −inf elsewhere."""
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
         T = len(tokens)
         start = kv.filled if start is None else start
@@ -65,6 +66,7 @@ class StubModel:
                 ctx = prefix + tuple(tokens[j] for j in range(T) if tree_mask[i, j])
             rows.append(self._log_dist(is_draft, ctx))
         out = np.stack(rows[-1:] if logits == "last" else rows)
+        out = out if head is None else head.expand(out[:, head.ids])
         return out, (self._record(tokens) if record else None)
 
     def _record(self, tokens) -> RoutingRecord:

@@ -196,6 +196,11 @@ WIDENED = [
     "decode step is dominated by expert traffic, as on the paper's devices, instead of interpreter overhead. It "
     "exists for speed and calibration measurements (`docs/performance.md`); it knows nothing this model does not.",
     "",
+    "## Token ranks", "",
+    "`token_ranks.json` ranks the 6144 tokens by their count in the training split (3.1 M tokens; "
+    "`tools/token_ranks.py`), for `--draft-vocab N` (FR-Spec draft heads). The 1024 most frequent cover 81 % "
+    "of the training tokens, 2048 cover 89 %, 4096 cover 97 %. The widened copy carries the same file.",
+    "",
 ]
 
 

@@ -67,7 +67,7 @@ def widen(src: str, out: str, hidden: int, intermediate: int) -> str:
                                     "note": "zero-padded copy of the embedded model (tools/widen_model.py)"}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    for extra in ("tokenizer.json", "generation_config.json"):
+    for extra in ("tokenizer.json", "generation_config.json", "token_ranks.json"):
         if os.path.exists(os.path.join(src, extra)):
             shutil.copy(os.path.join(src, extra), os.path.join(out, extra))
     return out

@@ -1,10 +1,10 @@
-"""The `s2moe` command: run, info, convert, bench, serve. One module per command; errors via `errors.cli_errors`."""
+"""The `s2moe` command: run, info, convert, bench, serve, vocab. One module per command; errors via `errors.cli_errors`."""
 
 from __future__ import annotations
 
 import typer
 
-from . import bench, convert, info, run, serve
+from . import bench, convert, info, run, serve, vocab
 
 app = typer.Typer(
     name="s2moe",
@@ -43,6 +43,7 @@ app.command("info")(info.info)
 app.command("convert")(convert.convert)
 app.command("bench")(bench.bench)
 app.command("serve")(serve.serve)
+app.command("vocab")(vocab.vocab)
 
 
 def main() -> None:

@@ -32,6 +32,8 @@ def bench(
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the cost constants fixed instead of following the passes the run makes."),
     acceptance: str = typer.Option("learned", "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers only the N most frequent tokens of the model's token_ranks.json (0 = all); verification keeps the full head, so the output is unchanged."),
+    token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model; write one with s2moe vocab)."),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     seed: Optional[int] = typer.Option(0, "--seed"),
     sampler: str = typer.Option("auto", "--sampler", help="Sampled speculation: coupled (a seed gives AR's text whatever was drafted), standard (accepts more; the text can follow draft decisions) or auto (coupled with --seed, else standard)."),
@@ -54,7 +56,7 @@ def bench(
         from ..records import machine_info, to_csv, to_json
         from ..decoding.sampling import SamplingParams
         from ..model.tokenizer import load_tokenizer
-        from .spec_options import apply_profile, make_settings
+        from .spec_options import apply_profile, check_draft_vocab, make_settings
 
         from ..outputs import check_output, write_atomic
 
@@ -80,7 +82,8 @@ def bench(
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch,
-                                 acceptance=acceptance)
+                                 acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks)
+        check_draft_vocab(loaded, settings)
         params = SamplingParams(temperature=temperature, seed=seed, sampler=sampler)
         recorder = None
         if trace_path:

@@ -34,6 +34,8 @@ def run(
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the profile's (or start-up) cost constants fixed instead of following the passes this run makes."),
     acceptance: str = typer.Option("learned", "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers only the N most frequent tokens of the model's token_ranks.json (0 = all); verification keeps the full head, so the output is unchanged."),
+    token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model; write one with s2moe vocab)."),
     no_share_kv: bool = typer.Option(False, "--no-share-kv", help="Ablation: the draft keeps its own KV cache."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy (argmax). Default: the model's generation_config.json, else 0."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
@@ -64,7 +66,7 @@ def run(
         from ..decoding.methods import get_method
         from ..decoding.speculative import SpeculativeDecoder
         from ..model.tokenizer import load_tokenizer
-        from .spec_options import apply_profile, describe_costs, make_settings
+        from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         text_in = read_prompt(prompt, prompt_file)
@@ -85,7 +87,8 @@ def run(
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch,
-                                 acceptance=acceptance)
+                                 acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks)
+        check_draft_vocab(loaded, settings)
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(text_in).ids
         if not ids:
@@ -100,7 +103,8 @@ def run(
                              expert_budget=expert_budget, kernels=kernels, threads=threads)
         costs = chosen.profile.costs if chosen.profile is not None else None
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
-            costs = estimate_costs(engine.model, ids, settings_policy(settings))
+            costs = estimate_costs(engine.model, ids, settings_policy(settings),
+                                   draft_head=engine.model.draft_head(settings.draft_vocab, settings.token_ranks))
             say(f"no --profile: estimated cost constants at start-up from timed passes: "
                       f"{describe_costs(costs)}", "dim")
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), params,
@@ -247,7 +251,8 @@ def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch
                           fetch_threads=offload.get("fetch_threads"), expert_budget=expert_budget,
                           kernels=kernels, threads=threads, preload=True, budget_from=chosen.budget_from,
                           trim_hot=chosen.trim_hot, batch=batch,
-                          prefetch_slots=0 if spec.admit == "none" or not settings.prefetch else None)
+                          prefetch_slots=0 if spec.admit == "none" or not settings.prefetch else None,
+                          draft_vocab=0 if spec.admit == "none" else settings.draft_vocab)
     if engine.model.ops.reason.startswith("auto: the compiled"):
         say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")
     if engine.emulation.active:

@@ -21,7 +21,7 @@ def default_draft_topk(top_k: int) -> int:
 def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_cap: int | None,
                   threshold: float | None, rg_variant: str, profile=None, **switches) -> SpecSettings:
     """``switches``: further `SpecSettings` fields given on the command line (rg_residency,
-    draft_fallback, draft_resident, prefetch, acceptance)."""
+    draft_fallback, draft_resident, prefetch, acceptance, draft_vocab, token_ranks)."""
     spec = profile.speculative if profile is not None else {}
     if draft_topk:
         default, overrides = parse_draft_topk(draft_topk)
@@ -32,6 +32,16 @@ def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_c
                         reuse_cap=pick(reuse_cap, "reuse_cap"), utility_threshold=pick(threshold, "utility_threshold"),
                         rg_variant=rg_variant, **switches).validate(config.top_k, config.num_experts,
                                                                     config.moe_layer_ids)
+
+
+def check_draft_vocab(loaded, settings) -> None:
+    """Fail before any weight is read when --draft-vocab cannot be served by the ranks file."""
+    if settings.draft_vocab:
+        from ..model.draft_head import default_ranks_path, load_token_ranks, subset
+
+        path = settings.token_ranks or default_ranks_path(loaded.path)
+        V = loaded.config.vocab_size
+        subset(load_token_ranks(path, V), settings.draft_vocab, V, path)
 
 
 @dataclass

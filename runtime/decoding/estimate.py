@@ -26,7 +26,9 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(samples)
 
 
-def estimate_costs(model: MoEModel, prompt: list[int], draft_policy: RoutingPolicy, reps: int = 3) -> CostConstants:
+def estimate_costs(model: MoEModel, prompt: list[int], draft_policy: RoutingPolicy, reps: int = 3,
+                   draft_head=None) -> CostConstants:
+    """``draft_head``: the draft's head over a token subset (FR-Spec), timed as the draft runs it."""
     c = model.config
     ctx = prompt[-16:] or [0]
     kv = model.new_cache(len(ctx) + 2)
@@ -36,13 +38,13 @@ def estimate_costs(model: MoEModel, prompt: list[int], draft_policy: RoutingPoli
         P = kv.length
         token = ctx[-1]
 
-        def step(policy=None):
+        def step(policy=None, head=None):
             kv.rollback(P)
-            model.forward([token], kv, policy=policy or RoutingPolicy(), logits="last", record=False)
+            model.forward([token], kv, policy=policy or RoutingPolicy(), logits="last", record=False, head=head)
 
         step()  # warm: the experts this token needs become resident (as far as the budget allows)
         t_ar = _median_time(step, reps)
-        c_draft = _median_time(lambda: step(draft_policy), reps)
+        c_draft = _median_time(lambda: step(draft_policy, draft_head), reps)
         # one resident expert's compute for one token
         L = c.moe_layer_ids[0]
         w = model.experts.get(L, [0])[0]

@@ -78,6 +78,10 @@ class SpecSettings:
     # AE's p_i: "learned" (P(accepted | draft confidence) from the run's verifications; see
     # acceptance.py) or "confidence" (the draft's own probability, as the paper has it)
     acceptance: str = "learned"
+    # FR-Spec: the draft's lm head covers the N most frequent tokens of a ranks file (0: all of
+    # them); verification keeps the full head (model/draft_head.py). None: the model's own file
+    draft_vocab: int = 0
+    token_ranks: str | None = None
 
     def validate(self, top_k: int, num_experts: int, moe_layers=None) -> "SpecSettings":
         """Every setting through `checks.number`; ``moe_layers`` (the model's MoE layer ids)
@@ -95,6 +99,7 @@ class SpecSettings:
         number("--rg-residency", self.rg_residency, low=0)
         number("reuse gating strength", self.rg_strength, low=0)
         number("confidence threshold", self.confidence_threshold, low=0, high=1)
+        number("--draft-vocab", self.draft_vocab, low=0, integer=True)
         if self.rg_variant not in ("paper", "code", "resident"):
             raise UsageError(f"--rg-variant {self.rg_variant!r}: choose paper, code or resident")
         if self.acceptance not in ("learned", "confidence"):

@@ -44,6 +44,10 @@ class SpecMetrics:
     ae_tokens: int = 0
     ae_predicted: float = 0.0
     ae_kept: int = 0
+    # FR-Spec: the draft head's size, and the emitted tokens inside it (what it could propose)
+    draft_vocab: int = 0
+    vocab_tokens: int = 0
+    vocab_covered: int = 0
 
     def record_acceptance(self, predicted: float, kept: bool) -> None:
         self.ae_tokens += 1
@@ -85,4 +89,6 @@ class SpecMetrics:
             # calibration of AE's acceptance probabilities: mean predicted vs observed, same tokens
             **({"ae_acceptance": acceptance_summary(self.ae_tokens, self.ae_predicted, self.ae_kept)}
                if self.ae_tokens else {}),
+            **({"draft_vocab": {"size": self.draft_vocab, "coverage": round(self.vocab_covered / self.vocab_tokens, 4)
+                                if self.vocab_tokens else None}} if self.draft_vocab else {}),
         }

@@ -77,6 +77,8 @@ class SpeculativeDecoder:
         self.draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk),
                                           allowed=(lambda L: resident(L, c.num_experts)) if resident else None,
                                           fallback=settings.draft_fallback)
+        # FR-Spec: a draft head over the most frequent tokens (None: the full head)
+        self.draft_head = model.draft_head(settings.draft_vocab, settings.token_ranks) if settings.draft_vocab else None
         self.metrics = SpecMetrics()
         self._cascade_k: int | None = None
         # AE's acceptance probabilities: learned from this decoder's verifications (kept across
@@ -139,7 +141,8 @@ class SpeculativeDecoder:
         """A tree's second first token: the draft's second choice (of the noisy scores when coupled,
         so it differs from the first branch's token); None when truncation leaves only one."""
         if self.params.greedy:
-            return int(top_k_indices(logits[None, :], 2)[0, 1])
+            second = int(top_k_indices(logits[None, :], 2)[0, 1])
+            return second if np.isfinite(logits[second]) else None  # (a draft head of one token)
         scores = draws.scores(probabilities(logits, self.params), position)
         second = int(top_k_indices(scores[None, :], 2)[0, 1])
         return second if scores[second] > 0 else None
@@ -175,7 +178,7 @@ class SpeculativeDecoder:
     def _draft_root(self, feed: list[int], kv: KVCache) -> tuple[np.ndarray, set[Key]]:
         """Run the draft over ``feed`` (tokens not yet in its KV; the last is the root).
         Returns the draft logits after the root and the root's predicted experts (S's start)."""
-        logits, rec = self.model.forward(feed, kv, policy=self.draft_policy, logits="last")
+        logits, rec = self.model.forward(feed, kv, policy=self.draft_policy, logits="last", head=self.draft_head)
         self.metrics.draft_passes += 1
         predicted = self._predicted_experts(rec, len(feed) - 1)
         self._prefetch(predicted)
@@ -215,7 +218,8 @@ class SpeculativeDecoder:
             # AE needs token i's experts before admitting it; other rules only need the next logits
             need_next = (m.admit == "utility" and not last) or (len(d.tokens) + 1 < length and not last)
             if need_next:
-                next_logits, rec = self.model.forward([token], kv, policy=self.draft_policy, logits="last")
+                next_logits, rec = self.model.forward([token], kv, policy=self.draft_policy, logits="last",
+                                                      head=self.draft_head)
                 self.metrics.draft_passes += 1
                 self._prefetch(self._predicted_experts(rec, 0))  # verification will need these: read them now
             if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
@@ -390,7 +394,8 @@ class SpeculativeDecoder:
         kv.commit(len(prompt))
         if not m.share_kv:  # the draft keeps its own approximate KV, from its own prefill
             with phase_of(self.model, "prefill"):
-                self.model.forward(prompt, draft_kv, policy=self.draft_policy, logits="last", record=False)
+                self.model.forward(prompt, draft_kv, policy=self.draft_policy, logits="last", record=False,
+                                   head=self.draft_head)
             draft_kv.commit(len(prompt))
         prefill = time.perf_counter() - t0  # both prefills when the draft has its own KV
         t1 = time.perf_counter()
@@ -450,6 +455,10 @@ class SpeculativeDecoder:
             done = emit(accepted + [nxt])
             self._cascade_observe(length, len(accepted) + 1, time.perf_counter() - started)
         decode = time.perf_counter() - t1
+        if self.draft_head is not None:  # which emitted tokens the draft head could have proposed
+            self.metrics.draft_vocab = self.draft_head.size
+            self.metrics.vocab_tokens += len(out)
+            self.metrics.vocab_covered += int(np.isin(out, self.draft_head.ids).sum())
         self.draws = draws  # kept for inspection (tests check the noise it holds stays bounded)
         # tokens accepted past max_tokens were committed but never emitted: drop their KV too
         kv.rollback(min(kv.length, len(prompt) + len(out) - 1))

@@ -172,6 +172,14 @@ class DeviceStored:
     def row_bytes(self) -> int:
         return row_bytes(self.dtype, self.shape[1])
 
+    def rows(self, index) -> "DeviceStored":
+        """The rows ``index`` (host ints or a slice) as a new matrix on the device (a copy)."""
+        N, K = self.shape
+        if not isinstance(index, slice):
+            index = self.xp.asarray(index)
+        picked = self.data.reshape(N, self.row_bytes)[index]
+        return DeviceStored(self.xp.ascontiguousarray(picked).reshape(-1), self.dtype, (int(picked.shape[0]), K), self.xp)
+
     def dequantize(self, rows=None):
         N, K = self.shape
         raw = self.data.reshape(N, self.row_bytes)

@@ -12,6 +12,7 @@ On a device, short passes (decode, verification) take fused kernels where the op
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from ..kernels import ExpertAct, select_ops
 from ..kernels.backend import NUMPY, Backend, xp_of
 from ..kernels.reference import silu
 from .config import ModelConfig
+from .draft_head import DraftHead, default_ranks_path, load_token_ranks, select_rows, subset
 from ..offload.experts import ExpertProvider
 from .kv_cache import KVCache
 from .loader import LoadedModel
@@ -88,6 +90,19 @@ class MoEModel:
         self._inv_freq, self._rope_factor = rope.inv_freq_and_factor(self.config)
         self._attention_kind = ATTENTION[self.config.attention]
         self.split: TimeSplit | _NoSplit = _NoSplit()
+        self._draft_heads: dict[tuple[int, str], DraftHead] = {}
+
+    def draft_head(self, n: int, ranks_path: str | None = None) -> DraftHead | None:
+        """The lm head over the ``n`` most frequent tokens (model/draft_head.py), built once per
+        (n, ranks file): drafts of every decoder on this model share its rows. None for n = 0."""
+        if not n:
+            return None
+        V = self.config.vocab_size
+        path = os.path.abspath(ranks_path or default_ranks_path(self.loaded.path))
+        if (n, path) not in self._draft_heads:
+            ids = subset(load_token_ranks(path, V), n, V, path)
+            self._draft_heads[(n, path)] = DraftHead(ids, select_rows(self.W["lm_head"], ids, self.backend), V)
+        return self._draft_heads[(n, path)]
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache.for_config(self.config, capacity, xp=self.backend.xp)
@@ -216,6 +231,7 @@ class MoEModel:
         record: bool = True,
         positions=None,
         tree_mask: np.ndarray | None = None,
+        head: DraftHead | None = None,
     ) -> tuple[np.ndarray, RoutingRecord | None]:
         """Run ``tokens`` in cache slots [start, start + T); ``start`` defaults to ``kv.filled``.
 
@@ -224,24 +240,25 @@ class MoEModel:
         (itself and its ancestors); every token sees all slots before ``start``. A [T, start + T]
         ``tree_mask`` instead says exactly which slots each token sees.
         Returns logits [T, V] (or [1, V] with ``logits="last"``) and the routing record.
+        ``head``: a draft's head over a token subset; logits outside it are −inf.
         """
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         start = kv.filled if start is None else start
         if tokens.size <= PREFILL_CHUNK or positions is not None or tree_mask is not None:
-            return self._pass(tokens, kv, start, policy, logits, record, positions, tree_mask)
+            return self._pass(tokens, kv, start, policy, logits, record, positions, tree_mask, head)
         # a long chain (a prompt): causal chunks, each attending to the ones before it
         outs, recs = [], []
         for i in range(0, tokens.size, PREFILL_CHUNK):
             last = i + PREFILL_CHUNK >= tokens.size
             out, rec = self._pass(tokens[i:i + PREFILL_CHUNK], kv, start + i, policy,
-                                  logits if last else ("all" if logits == "all" else "none"), record)
+                                  logits if last else ("all" if logits == "all" else "none"), record, head=head)
             if out is not None:
                 outs.append(out)
             recs.append(rec)
         return np.concatenate(outs), (RoutingRecord.concatenate(recs) if record else None)
 
     def _pass(self, tokens: np.ndarray, kv: KVCache, start: int, policy: RoutingPolicy, logits: str, record: bool,
-              positions=None, tree_mask=None) -> tuple[np.ndarray | None, RoutingRecord | None]:
+              positions=None, tree_mask=None, head=None) -> tuple[np.ndarray | None, RoutingRecord | None]:
         c, W, ops = self.config, self.W, self.ops
         T = tokens.size
         kv.begin_write(start, T)
@@ -281,13 +298,17 @@ class MoEModel:
             with self.split.part("lm_head"):
                 if logits == "last":
                     h = h[-1:]
+                lm = W["lm_head"] if head is None else head.weight
                 if fuse:  # the final norm in the head's launch
-                    out = ops.linear(h, W["lm_head"], norm=(W["norm"], c.rms_norm_eps))
+                    out = ops.linear(h, lm, norm=(W["norm"], c.rms_norm_eps))
                 else:
-                    out = ops.linear(ops.rms_norm(h, W["norm"], c.rms_norm_eps), W["lm_head"])
+                    out = ops.linear(ops.rms_norm(h, W["norm"], c.rms_norm_eps), lm)
         if end:
             end()
-        return (None if out is None else self.backend.to_host(out)), rec  # logits to the host for sampling
+        if out is None:
+            return None, rec
+        out = self.backend.to_host(out)  # logits to the host for sampling
+        return (out if head is None else head.expand(out)), rec
 
 
 def _tokens_by_expert(experts: np.ndarray, weights: np.ndarray, flat: bool = False) -> dict[int, tuple[list, list]]:

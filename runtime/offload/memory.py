@@ -149,10 +149,12 @@ class MemoryPlan:
 
 def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_budget: Budget | None = None,
                 batch: int | None = None, window: int = 4, reference_kernels: bool = False,
-                expert_bytes=None, baseline: int | None = None, direct: bool = True, prefetch: int = 0) -> MemoryPlan:
+                expert_bytes=None, baseline: int | None = None, direct: bool = True, prefetch: int = 0,
+                draft_head: int = 0) -> MemoryPlan:
     """The plan for ``budget`` (and ``expert_budget``). ``expert_bytes(refs)`` is one expert's
     resident cost where it differs from the host's (device backends hold float32); ``batch`` is
-    the most tokens one pass runs (prompt chunks, verification batches)."""
+    the most tokens one pass runs (prompt chunks, verification batches); ``draft_head`` the bytes of
+    a FR-Spec draft head's copied rows, held beside the dense part."""
     from ..model.forward import PREFILL_CHUNK
 
     c = model.config
@@ -160,7 +162,7 @@ def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_bu
     sizes = [cost(refs) for refs in model.experts.values()]
     total_experts, largest = sum(sizes), max(sizes)
     stored = model.expert_stored_bytes
-    dense = model.dense_bytes
+    dense = model.dense_bytes + draft_head
     kv = c.kv_floats_per_position * kv_positions * 4
     work = workspace(model, max(batch or PREFILL_CHUNK, 1), kv_positions, window, largest, reference_kernels, prefetch)
     rest = dense + kv + work.total
