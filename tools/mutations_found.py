@@ -563,4 +563,9 @@ FOUND += [
              "self.metrics.vocab_covered += int(np.isin(out, self.draft_head.ids).sum())",
              "self.metrics.vocab_covered += len(out)",
              ["tests/test_draft_head.py", "-k", "coverage"], "coverage reported as 100 %"),
+    # -- the live fit's non-negativity (session 2026-12-02: a clip after the solve kept a 9-14 ms miss price) --
+    Mutation("live-fit-clipped", "runtime/decoding/live_costs.py",
+             "        theta, _ = nnls(L.T, np.linalg.solve(L, self.b + D @ self.theta0))\n        return theta",
+             "        return np.maximum(np.linalg.solve(self.G + D, self.b + D @ self.theta0), 0.0)",
+             ["tests/test_live_costs.py"], "the live fit solved without the constraint, then clipped at 0"),
 ]

@@ -95,12 +95,21 @@ class LiveCosts:
             self.inflight.observe(waited_seconds / used)
 
     def coefficients(self) -> np.ndarray:
-        """(t_base, t_token, t_exp_miss, t_exp_hit): the ridge fit toward the profile's, ≥ 0."""
+        """(t_base, t_token, t_exp_miss, t_exp_hit): the ridge fit toward the profile's, ≥ 0.
+
+        The constraint is part of the fit (non-negative least squares on the Cholesky factor of the
+        normal equations), not a clip afterwards: in one-token passes n_missing + n_resident is
+        constant, so the unconstrained fit can trade a negative hit or token price against the base
+        and a miss price several times what a miss adds; clipping kept that miss price."""
         if self.passes == 0:
             return self.theta0.copy()
+        from scipy.optimize import nnls
+
         D = np.diag(self.prior_passes * np.maximum(self.scale, 1e-9))
-        theta = np.linalg.solve(self.G + D, self.b + D @ self.theta0)
-        return np.maximum(theta, 0.0)
+        # minimise θᵀ(G + D)θ − 2θᵀ(b + Dθ₀) over θ ≥ 0, i.e. ‖Lᵀθ − L⁻¹(b + Dθ₀)‖² with G + D = LLᵀ
+        L = np.linalg.cholesky(self.G + D)
+        theta, _ = nnls(L.T, np.linalg.solve(L, self.b + D @ self.theta0))
+        return theta
 
     def current(self) -> CostConstants:
         base, token, miss, hit = (float(x) for x in self.coefficients())

@@ -42,11 +42,6 @@ class DraftHead:
         out[:, self.ids] = sub
         return out
 
-    def coverage(self, tokens) -> float | None:
-        """Share of ``tokens`` inside the subset: what the draft could have proposed."""
-        tokens = np.asarray(list(tokens), dtype=np.int64)
-        return float(np.isin(tokens, self.ids).mean()) if tokens.size else None
-
 
 def select_rows(W, ids: np.ndarray, backend):
     """The rows ``ids`` of a head matrix, a copy in its own encoding (stored or float) and place."""
