@@ -37,11 +37,9 @@ def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_c
 def check_draft_vocab(loaded, settings) -> None:
     """Fail before any weight is read when --draft-vocab cannot be served by the ranks file."""
     if settings.draft_vocab:
-        from ..model.draft_head import default_ranks_path, load_token_ranks, subset
+        from ..model.draft_head import head_ids, ranks_file
 
-        path = settings.token_ranks or default_ranks_path(loaded.path)
-        V = loaded.config.vocab_size
-        subset(load_token_ranks(path, V), settings.draft_vocab, V, path)
+        head_ids(ranks_file(loaded.path, settings.token_ranks), loaded.config.vocab_size, settings.draft_vocab)
 
 
 @dataclass

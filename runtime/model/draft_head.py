@@ -97,6 +97,16 @@ def subset(ranks: np.ndarray, n: int, vocab_size: int, where: str) -> np.ndarray
     return np.sort(ranks[:n])
 
 
+def ranks_file(model_path: str, ranks_path: str | None = None) -> str:
+    """The ranks file a run uses: ``--token-ranks``, else the model's own (absolute)."""
+    return os.path.abspath(ranks_path or default_ranks_path(model_path))
+
+
+def head_ids(path: str, vocab_size: int, n: int) -> np.ndarray:
+    """The ``n`` ids a draft head covers, from the ranks file ``path`` (checked)."""
+    return subset(load_token_ranks(path, vocab_size), n, vocab_size, path)
+
+
 def count_tokens(encode, texts, vocab_size: int) -> np.ndarray:
     """Occurrences of each token id in ``texts`` (``encode``: text → ids)."""
     counts = np.zeros(vocab_size, dtype=np.int64)

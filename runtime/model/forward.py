@@ -12,7 +12,6 @@ On a device, short passes (decode, verification) take fused kernels where the op
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from ..kernels import ExpertAct, select_ops
 from ..kernels.backend import NUMPY, Backend, xp_of
 from ..kernels.reference import silu
 from .config import ModelConfig
-from .draft_head import DraftHead, default_ranks_path, load_token_ranks, select_rows, subset
+from .draft_head import DraftHead, head_ids, ranks_file, select_rows
 from ..offload.experts import ExpertProvider
 from .kv_cache import KVCache
 from .loader import LoadedModel
@@ -98,9 +97,9 @@ class MoEModel:
         if not n:
             return None
         V = self.config.vocab_size
-        path = os.path.abspath(ranks_path or default_ranks_path(self.loaded.path))
-        if (n, path) not in self._draft_heads:
-            ids = subset(load_token_ranks(path, V), n, V, path)
+        path = ranks_file(self.loaded.path, ranks_path)
+        if (n, path) not in self._draft_heads:  # the file is read once per head
+            ids = head_ids(path, V, n)
             self._draft_heads[(n, path)] = DraftHead(ids, select_rows(self.W["lm_head"], ids, self.backend), V)
         return self._draft_heads[(n, path)]
 
