@@ -29,6 +29,8 @@ def _experts(token: int) -> set[int]:
 
 
 def _first_draft_length(method: str, costs: CostConstants, cap: int = 4, top_prob: float = 0.8, **settings) -> int:
+    """The first iteration's draft length; AE under the paper's rule (lookahead 1) unless given."""
+    settings.setdefault("ae_lookahead", 1)
     model = StubModel(_chain(top_prob), _chain(top_prob), vocab=4, experts_of=_experts)
     dec = SpeculativeDecoder(model, get_method(method, reuse_gating=False),
                              SpecSettings(draft_topk=1, draft_cap=cap, **settings), costs)
@@ -58,6 +60,24 @@ def _first_draft_length(method: str, costs: CostConstants, cap: int = 4, top_pro
 def test_ae_utility_by_hand(miss, expected):
     costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=miss, t_exp_hit=miss)
     assert _first_draft_length("ca+ae", costs) == expected
+
+
+@pytest.mark.parametrize("lookahead,expected", [(1, 0), (2, 0), (3, 4)])
+def test_ae_lookahead_by_hand(lookahead, expected):
+    """Miss 0.6: gains P_j·T_AR − (ΔC_ver + C_draft) are .8 − .85 = −.05, .64 − .85 = −.21, .512 − .25
+    = +.262, .4096 − .25 = +.16; summed −.05, −.26, +.002, +.162. The paper's rule (lookahead 1)
+    stops at the first token; lookahead 2 stops two tokens past the best prefix (the empty one);
+    lookahead 3 reaches the third token, where the sum turns positive, and the cap."""
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.6, t_exp_hit=0.6)
+    assert _first_draft_length("ca+ae", costs, ae_lookahead=lookahead) == expected
+
+
+def test_ae_lookahead_verifies_the_prefix_of_largest_summed_gain():
+    """Miss 0.5 (gains +.05, −.11, +.262, +.16; summed .05, −.06, .202, .362) with cap 2: lookahead 2
+    drafts both tokens, and the sum peaks at the first, so only that one is verified."""
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.5, t_exp_hit=0.5)
+    assert _first_draft_length("ca+ae", costs, cap=2, ae_lookahead=2) == 1
+    assert _first_draft_length("ca+ae", costs, cap=3, ae_lookahead=2) == 3
 
 
 def test_ae_prefix_probability_and_threshold():

@@ -149,6 +149,16 @@ def test_missing_model_and_bad_flag(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_ae_lookahead_reaches_the_settings(command):
+    """The flag is checked with the other speculative settings (so a dropped flag would pass): 0
+    is refused in one line naming it, after the model loaded, before any decoding."""
+    args = ["--prompt", "x"] if command == "run" else ["--methods", "ar,s2moe", "--n-prompts", "1"]
+    r = s2moe(command, *args, "--ae-lookahead", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--ae-lookahead 0: must be >= 1" in r.stderr.strip().splitlines()[-1]
+
+
 def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
     _, folder, _ = tiny_model_dirs["olmoe"]
     out = tmp_path / "bench.json"

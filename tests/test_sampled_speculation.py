@@ -14,7 +14,8 @@ Draft lengths 1, 2 and 4 with a fixed-length chain (method ``ca``), so the first
 positions 1..L and the bonus token (position L + 1, emitted only when every draft is accepted) are
 all inside the compared window; plus temperature/top-k truncation (alone, and under the confidence
 rule, which must read the truncated probability), the confidence rule, AE's
-utility rule with backoff, and the private-draft-KV baseline (``es``). Trees (two drafted branches)
+utility rule with backoff, AE with a lookahead (tokens drafted past one that does not pay, all of them
+verified), and the private-draft-KV baseline (``es``). Trees (two drafted branches)
 are drafted under greedy and coupled sampling only (standard sampling needs one law per token): the
 ``es`` case's coupled run verifies two branches, and the coupled text equals AR's text there too.
 
@@ -62,8 +63,12 @@ EAGER = CostConstants(t_ar=50.0, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.00
 # AE with T_AR / C_draft = 2.5: a draft token is admitted while its prefix probability is ≥ 0.4, so
 # draft lengths vary (0 included: then AE backs off to plain AR steps) from iteration to iteration.
 PICKY = CostConstants(t_ar=0.005, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.0002)
+# AE where a miss costs 5 draft passes: a token bringing new experts often does not pay, and one after
+# it that reuses them does
+LOOKING = CostConstants(t_ar=0.01, c_draft=0.001, t_exp_miss=0.005, t_exp_hit=0.0)
 
-# name: (method, draft cap, temperature, top-k, tokens compared, samples, costs, confidence threshold)
+# name: (method, draft cap, temperature, top-k, tokens compared, samples, costs, confidence threshold
+#        [, further SpecSettings, and "experts_of" for the stub])
 CASES = {
     "ca-L1": ("ca", 1, 1.0, 0, 3, 800, EAGER, 0.5),
     "ca-L2": ("ca", 2, 1.0, 0, 4, 500, EAGER, 0.5),
@@ -74,6 +79,14 @@ CASES = {
     # sampled with (0.675 under T 0.7 / top-2 where softmax says 0.5), or the kept tokens' law is biased
     "confidence-L3-T0.7-top2": ("confidence", 3, 0.7, 2, 5, 500, EAGER, 0.6),
     "ca+ae-L3": ("ca+ae", 3, 1.0, 0, 5, 500, PICKY, 0.5),
+    # AE with a lookahead drafts past a token that does not pay and verifies every drafted token: the
+    # stop depends on drafted tokens only (a stopping time). Tokens route to experts {t, t+1} (of 4),
+    # so a token's ΔC_ver is 0, 1 or 2 misses and the summed gain dips and recovers. Verifying only
+    # the best-gain prefix (right for greedy) drops tokens by their own experts and probability: that
+    # mutant fails here with p 2e-16 and 5e-15 on seeds 0-999 and 1000-1999 (at 500 seeds, 3 of 4
+    # blocks of seeds caught it), so this case draws 1000
+    "ca+ae-L4-lookahead2": ("ca+ae", 4, 1.0, 0, 4, 1000, LOOKING, 0.5,
+                            {"ae_lookahead": 2, "experts_of": lambda t: {t % 4, (t + 1) % 4}}),
     "es": ("es", 3, 1.0, 0, 5, 500, EAGER, 0.5),  # fixed length 8, the draft keeps its own KV
 }
 
@@ -88,14 +101,15 @@ def truncated(table, params: SamplingParams):
 
 def run_case(name: str, sampler: str = "standard", seeds=None):
     """Counts of the compared tokens over seeded generations, the exact law and the decoder's metrics."""
-    method, cap, temperature, top_k, n_tokens, n, costs, threshold = CASES[name]
-    model = StubModel(table_target, table_draft, vocab=4)
+    method, cap, temperature, top_k, n_tokens, n, costs, threshold, *extra = CASES[name]
+    extra = dict(extra[0]) if extra else {}
+    model = StubModel(table_target, table_draft, vocab=4, experts_of=extra.pop("experts_of", None))
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
     for seed in (range(n) if seeds is None else seeds):
         params = SamplingParams(temperature=temperature, top_k=top_k, seed=seed, sampler=sampler)
         dec = SpeculativeDecoder(model, get_method(method, reuse_gating=False),
-                                 SpecSettings(draft_topk=1, draft_cap=cap, confidence_threshold=threshold),
+                                 SpecSettings(draft_topk=1, draft_cap=cap, confidence_threshold=threshold, **extra),
                                  costs, params)
         out = tuple(dec.generate([START], n_tokens).tokens)
         counts[out] = counts.get(out, 0) + 1

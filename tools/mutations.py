@@ -86,8 +86,8 @@ CORE: list[Mutation] = [
              "a[:, at:at + len(slots)] = a[:, slots]  # fancy indexing copies first: overlap-safe", "pass", T_KV,
              "kv.keep moves nothing"),
     # -- admit rules, cost model, reuse-aware gating, routing ---------------------------------------
-    Mutation("utility-threshold-inverted", SPEC, "                if utility < s.utility_threshold:\n",
-             "                if utility > s.utility_threshold:\n",
+    Mutation("utility-threshold-inverted", SPEC, "                if gain >= best:\n",
+             "                if gain < best:\n",
              ["tests/test_speculative.py", "-k", "utility_rule"], "AE admits exactly what it should refuse"),
     Mutation("marginal-cost-ignores-residency", SPEC,
              "return sum(costs.expert_cost(state(key)) for key in new_experts)",
@@ -112,7 +112,7 @@ CORE: list[Mutation] = [
              ["tests/test_reference_logits.py"], "expert weights rounded to fp16 on read (a 2e-5 logit error)"),
     Mutation("ae-selected-not-updated", SPEC, "                selected |= new\n", "                selected = selected\n",
              T_ADMIT, "ΔC_ver counts experts earlier drafts already bring"),
-    Mutation("ae-prefix-not-multiplied", SPEC, "            prefix *= prob\n", "            prefix = prefix\n",
+    Mutation("ae-prefix-not-multiplied", SPEC, "            prefix *= p_acc\n", "            prefix = prefix\n",
              T_ADMIT, "U_i uses the token's probability, not the prefix probability"),
     Mutation("ae-backoff-not-doubling", SPEC, "min(2 * self._wait, 16)", "min(self._wait, 16)", T_ADMIT,
              "AE backs off one AR step at a time"),
@@ -257,6 +257,17 @@ CORE: list[Mutation] = [
              "(len(tokens), missing - used, resident + used, took - pre_wait)",
              "(len(tokens), missing, resident, took)",
              ["tests/test_profile_update.py"], "recorded passes that count prefetched experts as cold misses"),
+    Mutation("ae-lookahead-drops-sampled-tokens", SPEC, "droppable = self.params.greedy or draws.coupled",
+             "droppable = True", ["tests/test_sampled_speculation.py", "-k", "lookahead"],
+             "standard sampling verifies only the best-gain prefix: tokens dropped by their own gain bias the law"),
+    Mutation("ae-lookahead-ignored", SPEC, "elif len(d.tokens) + 1 - best_n >= s.ae_lookahead:",
+             "elif len(d.tokens) + 1 - best_n >= 1:", T_ADMIT, "--ae-lookahead has no effect: always the paper's rule"),
+    Mutation("ae-lookahead-verifies-everything", SPEC, "        if m.admit == \"utility\" and droppable:\n            d.truncate(best_n)\n",
+             "", T_ADMIT, "greedy AE verifies the tokens drafted past the best-gain prefix"),
+    Mutation("ae-lookahead-flag-dropped", "runtime/cli/run.py", "                                 ae_lookahead=ae_lookahead)",
+             "                                 )", ["tests/test_cli.py", "-k", "lookahead"], "s2moe run --ae-lookahead silently ignored"),
+    Mutation("bench-ae-lookahead-flag-dropped", "runtime/cli/bench.py", "                                 ae_lookahead=ae_lookahead)",
+             "                                 )", ["tests/test_cli.py", "-k", "lookahead"], "s2moe bench --ae-lookahead silently ignored"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND

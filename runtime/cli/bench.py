@@ -24,6 +24,7 @@ def bench(
     draft_cap: Optional[int] = typer.Option(None, "--draft-cap"),
     reuse_cap: Optional[int] = typer.Option(None, "--reuse-cap"),
     utility_threshold: Optional[float] = typer.Option(None, "--utility-threshold"),
+    ae_lookahead: int = typer.Option(2, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain, and verifies that prefix (1: stop at the first token with U_i < threshold, the paper's rule)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Device profile (cost constants, settings, budget, hot list)."),
     rg_variant: str = typer.Option("paper", "--rg-variant"),
     rg_residency: float = typer.Option(0.5, "--rg-residency", help="Reuse gating 'resident' variant: bonus of experts the fast tier holds or is reading (0 = the paper's preferred set)."),
@@ -82,7 +83,8 @@ def bench(
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch,
-                                 acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks)
+                                 acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
+                                 ae_lookahead=ae_lookahead)
         check_draft_vocab(loaded, settings)
         params = SamplingParams(temperature=temperature, seed=seed, sampler=sampler)
         recorder = None

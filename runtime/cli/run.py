@@ -25,6 +25,7 @@ def run(
     draft_cap: Optional[int] = typer.Option(None, "--draft-cap", help="Most draft tokens per verification (default: profile, else 8)."),
     reuse_cap: Optional[int] = typer.Option(None, "--reuse-cap", help="Reuse-aware gating's preferred-set size (default 2×k)."),
     utility_threshold: Optional[float] = typer.Option(None, "--utility-threshold", help="Admit a draft token while U_i ≥ this (default: profile, else 1)."),
+    ae_lookahead: int = typer.Option(2, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain, and verifies that prefix (1: stop at the first token with U_i < threshold, the paper's rule)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Device profile: budget, hot experts, cost constants, speculative settings (flags override)."),
     rg_variant: str = typer.Option("paper", "--rg-variant", help="Reuse-aware gating: paper (per-token λ, draft-confidence weights) or code (published code)."),
     no_rg: bool = typer.Option(False, "--no-rg", help="Turn reuse-aware gating off (lossless S²-MoE)."),
@@ -87,7 +88,8 @@ def run(
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch,
-                                 acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks)
+                                 acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
+                                 ae_lookahead=ae_lookahead)
         check_draft_vocab(loaded, settings)
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(text_in).ids

@@ -3,7 +3,8 @@ reuse-aware gating; and the baselines that share this loop (see `methods.py`).
 
 One iteration, with P committed KV positions and a pending token ``root`` (emitted, not in KV):
   1. draft from ``root`` with the draft top-k, one token at a time (KV written past P);
-  2. admit draft token i while its rule allows (AE: U_i = p_i·T_AR / (ΔC_ver(i|S) + C_draft) ≥ θ);
+  2. admit draft token i while its rule allows (AE: U_i = p_i·T_AR / (ΔC_ver(i|S) + C_draft) ≥ θ, or,
+     with a lookahead, the prefix whose summed gain p_i·T_AR − θ·(ΔC_ver + C_draft) is largest);
   3. roll the shared KV back to P, verify [root, d_1..d_n] in one target pass (RG bias if on);
   4. accept (greedy match, coupled match, or speculative sampling), commit the target-computed KV of
      root and the accepted drafts, emit the accepted drafts and the target's next token (the new root).
@@ -52,6 +53,10 @@ class Draft:
     # rule and AE (which stops after a token rather than dropping it), q restricted to {q ≥ θ} under
     # the confidence rule; None where verification needs no law (greedy, coupled, a forced tree branch)
     dists: list[np.ndarray | None] = field(default_factory=list)
+
+    def truncate(self, n: int) -> None:
+        for seq in (self.tokens, self.token_probs, self.p_accept, self.dists):
+            del seq[n:]
 
 
 @dataclass
@@ -192,6 +197,12 @@ class SpeculativeDecoder:
         d = Draft()
         selected = set(selected)
         prefix = 1.0
+        # AE's net gain of the draft so far, Σ_j P_j·T_AR − θ·(ΔC_ver(j|S) + C_draft) (U_j ≥ θ is g_j ≥ 0),
+        # and the prefix where it peaked. Drafting goes on until ``ae_lookahead`` tokens past that
+        # peak: the first token brings most of a batch's new experts and later ones reuse them, so
+        # a token that does not pay alone can open a run that does. Lookahead 1 is the paper's rule.
+        gain, best, best_n = 0.0, 0.0, 0
+        droppable = self.params.greedy or draws.coupled  # dropping drafted tokens leaves the text exact
         while len(d.tokens) < length:
             if first is not None and not d.tokens:  # a tree branch's forced first token
                 token, dist = first, None
@@ -205,15 +216,16 @@ class SpeculativeDecoder:
                 # drawn from q restricted to {q ≥ θ}; verifying it against plain q would bias the output
                 dist = np.where(dist >= s.confidence_threshold, dist, 0.0)
                 dist = dist / dist.sum()
-            # AE. Greedy, coupled: a token that cannot pay for itself is dropped. Standard: U_i depends on
-            # the token's experts, so dropping it would leave the admitted tokens with an unknown law;
-            # instead the token (drawn from q) is verified and drafting stops after it: the stop is
-            # a stopping time of the drafted tokens, and speculative sampling stays exact.
+            # AE. Greedy, coupled: tokens past the best prefix are dropped. Standard: U_j depends on the
+            # token's experts, so dropping it would leave the admitted tokens with an unknown law;
+            # instead every drafted token is verified and only the decision to draft the next one
+            # looks at the gain: a stopping time of the drafted tokens, so speculative sampling stays exact.
             last = False
             p_acc = self._p_accept(prob)
             if m.admit == "utility" and prefix * p_acc * costs.t_ar / costs.c_draft < s.utility_threshold:
-                if dist is None:
-                    break  # even with ΔC_ver = 0 the token cannot pay for itself: skip its draft pass
+                # even with ΔC_ver = 0 this token (and every later one, P_j only falls) cannot pay
+                if droppable:
+                    break  # skip its draft pass
                 last = True
             # AE needs token i's experts before admitting it; other rules only need the next logits
             need_next = (m.admit == "utility" and not last) or (len(d.tokens) + 1 < length and not last)
@@ -225,12 +237,12 @@ class SpeculativeDecoder:
             if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
                 new = self._predicted_experts(rec, 0, selected) - selected
                 delta = marginal_verification_cost(new, self._state, costs)
-                utility = prefix * p_acc * costs.t_ar / (delta + costs.c_draft)
-                if utility < s.utility_threshold:
-                    if dist is None:
-                        break
-                    last = True
+                gain += prefix * p_acc * costs.t_ar - s.utility_threshold * (delta + costs.c_draft)
                 selected |= new
+                if gain >= best:
+                    best, best_n = gain, len(d.tokens) + 1
+                elif len(d.tokens) + 1 - best_n >= s.ae_lookahead:
+                    last = True
             prefix *= p_acc
             d.tokens.append(token)
             d.token_probs.append(prob)
@@ -240,6 +252,8 @@ class SpeculativeDecoder:
                 break
             if need_next:
                 logits = next_logits[-1]
+        if m.admit == "utility" and droppable:
+            d.truncate(best_n)
         return d
 
     # -- verification ---------------------------------------------------------------------------
