@@ -185,6 +185,20 @@ def test_bad_requests_get_400_with_an_error_body(server, body, field):
         assert field in reply["error"]["message"]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--ae-lookahead", "0"], "--ae-lookahead 0: must be >= 1"),
+    (["--acceptance", "bogus"], "--acceptance 'bogus': choose learned or confidence"),
+    (["--draft-vocab", "99999"], "--draft-vocab 99999: choose 1..6144"),
+])
+def test_speculative_flags_reach_the_servers_settings(flags, message):
+    """serve takes run's AE and draft-head flags; each is checked with the other settings (so a flag
+    dropped on the way would pass), in one line, before the server listens."""
+    r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "serve", "--port", str(_free_port()), *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert message in r.stderr.strip().splitlines()[-1]
+
+
 def test_bad_chat_request_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=[], max_tokens=4)

@@ -268,6 +268,9 @@ CORE: list[Mutation] = [
              "                                 )", ["tests/test_cli.py", "-k", "lookahead"], "s2moe run --ae-lookahead silently ignored"),
     Mutation("bench-ae-lookahead-flag-dropped", "runtime/cli/bench.py", "                                 ae_lookahead=ae_lookahead)",
              "                                 )", ["tests/test_cli.py", "-k", "lookahead"], "s2moe bench --ae-lookahead silently ignored"),
+    Mutation("serve-spec-flags-dropped", "runtime/cli/serve.py",
+             "acceptance=acceptance,\n                                 ae_lookahead=ae_lookahead, draft_vocab=draft_vocab, token_ranks=token_ranks)",
+             ")", ["tests/test_serve.py", "-k", "reach"], "s2moe serve's --acceptance, --ae-lookahead and --draft-vocab ignored"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND

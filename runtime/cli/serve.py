@@ -26,6 +26,10 @@ def serve(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template file (default: tokenizer_config.json's)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) instead of the model's."),
+    acceptance: str = typer.Option("learned", "--acceptance", help="AE's acceptance probability: learned (from this server's verifications) or confidence (the paper's)."),
+    ae_lookahead: int = typer.Option(2, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain (1: the paper's rule)."),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers the N most frequent tokens (0: all)."),
+    token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model)."),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     with cli_errors():
@@ -47,7 +51,7 @@ def serve(
         from ..serve.chat import load_chat_template
         from ..serve.worker import Worker
         from .run import _unused_costs, open_engine, settings_policy
-        from .spec_options import apply_profile, describe_costs, make_settings
+        from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings
 
         spec = get_method(method, reuse_gating=False if no_rg else None)
         loaded = load_model(resolve_model(model), dense=False)
@@ -57,7 +61,9 @@ def serve(
             say(f"warning: --ctx-size {context} is above the {c.max_position_embeddings} positions the model was "
                 "trained for; quality past them is not known", "yellow")
         chosen = apply_profile(profile, loaded, budget, None)
-        settings = make_settings(c, None, None, None, None, "paper", chosen.profile)
+        settings = make_settings(c, None, None, None, None, "paper", chosen.profile, acceptance=acceptance,
+                                 ae_lookahead=ae_lookahead, draft_vocab=draft_vocab, token_ranks=token_ranks)
+        check_draft_vocab(loaded, settings)
         tok = load_tokenizer(loaded, tokenizer)
         template = load_chat_template(loaded.path, chat_template)
         slack = 2 * max(settings.draft_cap, 8) + 2  # drafted positions past the context, rolled back
@@ -67,7 +73,8 @@ def serve(
                              threads=threads)
         costs = chosen.profile.costs if chosen.profile is not None else None
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
-            costs = estimate_costs(engine.model, tok.encode("def main():\n    return 0\n").ids, settings_policy(settings))
+            costs = estimate_costs(engine.model, tok.encode("def main():\n    return 0\n").ids, settings_policy(settings),
+                                   draft_head=engine.model.draft_head(settings.draft_vocab, settings.token_ranks))
             say(f"no --profile: estimated cost constants at start-up: {describe_costs(costs)}", "dim")
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), live=costs is not None)
         label = name or os.path.basename(os.path.normpath(loaded.path))
