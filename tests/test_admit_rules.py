@@ -80,6 +80,22 @@ def test_ae_lookahead_verifies_the_prefix_of_largest_summed_gain():
     assert _first_draft_length("ca+ae", costs, cap=3, ae_lookahead=2) == 3
 
 
+def test_ae_lookahead_stops_where_no_later_token_can_climb_back():
+    """Miss 2: the first token's gain is .8 − 2.25 = −1.45. No later token gains more than
+    P_1·T_AR − C_draft = .55 (P only falls, ΔC_ver ≥ 0), so with lookahead 2 the one token left
+    cannot climb back to 0: drafting stops after the root pass and the first token's, 2 passes, not 3.
+    With lookahead 4 the three tokens left could (3 × .55 > 1.45): the second token is drafted."""
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=2.0, t_exp_hit=2.0)
+    passes = {}
+    for lookahead in (2, 4):
+        model = StubModel(_chain(0.8), _chain(0.8), vocab=4, experts_of=_experts)
+        dec = SpeculativeDecoder(model, get_method("ca+ae"), SpecSettings(draft_topk=1, draft_cap=8,
+                                                                          ae_lookahead=lookahead), costs)
+        dec.generate([START], 3)
+        passes[lookahead] = dec.metrics.draft_samples[0][0]
+    assert passes[2] == 2 and passes[4] >= 3, passes
+
+
 def test_ae_prefix_probability_and_threshold():
     costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.0, t_exp_hit=0.0)  # ΔC_ver = 0
     # U_i = prefix / 0.25 with prefix .8, .64, .512, .4096, .328, .262, .210 …

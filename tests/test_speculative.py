@@ -54,6 +54,28 @@ def test_greedy_methods_equal_ar(tiny_model_dirs, family, budget):
             assert accepted > 0 or (spec.admit == "utility" and costs is FRUGAL), (name, costs.t_ar)
 
 
+def test_ae_lookahead_drops_drafted_tokens_and_stays_ar(monkeypatch):
+    """Greedy AE with the default lookahead drafts past tokens that do not pay and then verifies only
+    the best-gain prefix: the tokens it drafted and dropped (their KV written past the committed
+    cache, their experts prefetched) must leave the text AR's. The embedded model, whose drafts are
+    often kept, at a miss price where drafts get cut."""
+    from s2moe.runtime.cli.common import DEFAULT_MODEL
+    from s2moe.runtime.decoding.speculative import Draft
+
+    engine = build_engine(DEFAULT_MODEL, "0.25")
+    prompts = [[8, 1630, 12, 77, 13, 224], [611, 408, 198, 1046, 3452, 25, 198], [464, 3139, 286, 4881, 318]]
+    expected = [generate_ar(engine.model, p, 32).tokens for p in prompts]
+    costs = CostConstants(t_ar=1.0, c_draft=0.1, t_exp_miss=0.4, t_exp_hit=0.01)
+    dropped: list[int] = []
+    truncate = Draft.truncate
+    monkeypatch.setattr(Draft, "truncate", lambda d, n: dropped.append(len(d.tokens) - n) or truncate(d, n))
+    for name in ("ca+ae", "s2moe"):
+        dropped.clear()
+        dec = SpeculativeDecoder(engine.model, get_method(name, reuse_gating=False), SpecSettings(), costs)
+        assert [dec.generate(p, 32).tokens for p in prompts] == expected, name
+        assert sum(d > 0 for d in dropped) >= 3, (name, dropped)  # the lookahead really cut drafts
+
+
 def test_no_share_kv_ablation_is_lossless(tiny_model_dirs):
     engine = build_engine(tiny_model_dirs["qwen3_moe"][1], "0.25")
     spec = get_method("ca+ae", share_kv=False)

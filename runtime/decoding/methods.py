@@ -59,10 +59,10 @@ class SpecSettings:
     draft_cap: int = 8
     reuse_cap: int | None = None  # None: 2 × target k
     utility_threshold: float = 1.0
-    # AE drafts until this many tokens past the prefix of largest summed gain and verifies that
-    # prefix. 1 is the paper's rule (stop at the first token that does not pay for itself); 2 lets
-    # a token that opens new experts be followed by one that reuses them (docs/performance.md: never
-    # more bytes than 1 across five miss prices, 19 % fewer at the slow tier's live price)
+    # AE drafts until this many tokens past the prefix of largest summed gain (or until the tokens
+    # left cannot climb back to it) and verifies that prefix. 1 is the paper's rule (stop at the
+    # first token that does not pay for itself); 2 lets a token that opens new experts be followed
+    # by one that reuses them (docs/performance.md, "AE's lookahead")
     ae_lookahead: int = 2
     rg_variant: str = "paper"  # or "code" (published code: router peakedness, batch-mean λ), or "resident"
     rg_residency: float = 0.5  # "resident": bonus of experts the fast tier holds or is reading

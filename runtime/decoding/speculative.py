@@ -239,9 +239,13 @@ class SpeculativeDecoder:
                 delta = marginal_verification_cost(new, self._state, costs)
                 gain += prefix * p_acc * costs.t_ar - s.utility_threshold * (delta + costs.c_draft)
                 selected |= new
+                past = len(d.tokens) + 1 - best_n  # tokens drafted since the peak, this one included
                 if gain >= best:
                     best, best_n = gain, len(d.tokens) + 1
-                elif len(d.tokens) + 1 - best_n >= s.ae_lookahead:
+                elif past >= s.ae_lookahead or best - gain >= (s.ae_lookahead - past) * (
+                        prefix * p_acc * costs.t_ar - s.utility_threshold * costs.c_draft):
+                    # no later token gains more than P_j·T_AR − θ·C_draft (P only falls, ΔC_ver ≥ 0): when
+                    # the ones the lookahead has left cannot climb back to the peak, their passes are waste
                     last = True
             prefix *= p_acc
             d.tokens.append(token)
