@@ -199,8 +199,8 @@ class SpeculativeDecoder:
         prefix = 1.0
         # AE's net gain of the draft so far, Σ_j P_j·T_AR − θ·(ΔC_ver(j|S) + C_draft) (U_j ≥ θ is g_j ≥ 0),
         # and the prefix where it peaked. Drafting goes on until ``ae_lookahead`` tokens past that
-        # peak: the first token brings most of a batch's new experts and later ones reuse them, so
-        # a token that does not pay alone can open a run that does. Lookahead 1 is the paper's rule.
+        # peak: a token that brings new experts may not pay alone and still open a run of tokens
+        # that reuse them and do. Lookahead 1 is the paper's rule.
         gain, best, best_n = 0.0, 0.0, 0
         droppable = self.params.greedy or draws.coupled  # dropping drafted tokens leaves the text exact
         while len(d.tokens) < length:
