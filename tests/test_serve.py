@@ -192,9 +192,13 @@ def test_bad_requests_get_400_with_an_error_body(server, body, field):
 ])
 def test_speculative_flags_reach_the_servers_settings(flags, message):
     """serve takes run's AE and draft-head flags; each is checked with the other settings (so a flag
-    dropped on the way would pass), in one line, before the server listens."""
-    r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "serve", "--port", str(_free_port()), *flags],
-                       capture_output=True, text=True, timeout=120)
+    dropped on the way would pass), in one line, before the server listens. The port is held busy,
+    so a server that ignored the flag fails fast at bind instead of serving until the timeout."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "serve", "--port", str(busy.getsockname()[1]),
+                            *flags], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert message in r.stderr.strip().splitlines()[-1]
 
