@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from .common import err, resolve_model, say
+from ..decoding.methods import SpecSettings
 from .errors import cli_errors
 
 
@@ -24,7 +25,7 @@ def bench(
     draft_cap: Optional[int] = typer.Option(None, "--draft-cap"),
     reuse_cap: Optional[int] = typer.Option(None, "--reuse-cap"),
     utility_threshold: Optional[float] = typer.Option(None, "--utility-threshold"),
-    ae_lookahead: int = typer.Option(2, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain, and verifies that prefix (1: stop at the first token with U_i < threshold, the paper's rule)."),
+    ae_lookahead: int = typer.Option(SpecSettings.ae_lookahead, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain, and verifies that prefix (1: stop at the first token with U_i < threshold, the paper's rule)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Device profile (cost constants, settings, budget, hot list)."),
     rg_variant: str = typer.Option("paper", "--rg-variant"),
     rg_residency: float = typer.Option(0.5, "--rg-residency", help="Reuse gating 'resident' variant: bonus of experts the fast tier holds or is reading (0 = the paper's preferred set)."),

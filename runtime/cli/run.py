@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from .common import err, print_json, resolve_model, say
+from ..decoding.methods import SpecSettings
 from .errors import cli_errors
 
 
@@ -25,7 +26,7 @@ def run(
     draft_cap: Optional[int] = typer.Option(None, "--draft-cap", help="Most draft tokens per verification (default: profile, else 8)."),
     reuse_cap: Optional[int] = typer.Option(None, "--reuse-cap", help="Reuse-aware gating's preferred-set size (default 2×k)."),
     utility_threshold: Optional[float] = typer.Option(None, "--utility-threshold", help="Admit a draft token while U_i ≥ this (default: profile, else 1)."),
-    ae_lookahead: int = typer.Option(2, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain, and verifies that prefix (1: stop at the first token with U_i < threshold, the paper's rule)."),
+    ae_lookahead: int = typer.Option(SpecSettings.ae_lookahead, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain, and verifies that prefix (1: stop at the first token with U_i < threshold, the paper's rule)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Device profile: budget, hot experts, cost constants, speculative settings (flags override)."),
     rg_variant: str = typer.Option("paper", "--rg-variant", help="Reuse-aware gating: paper (per-token λ, draft-confidence weights) or code (published code)."),
     no_rg: bool = typer.Option(False, "--no-rg", help="Turn reuse-aware gating off (lossless S²-MoE)."),

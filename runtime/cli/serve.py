@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from .common import resolve_model, say
+from ..decoding.methods import SpecSettings
 from .errors import cli_errors
 
 
@@ -27,7 +28,7 @@ def serve(
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template file (default: tokenizer_config.json's)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) instead of the model's."),
     acceptance: str = typer.Option("learned", "--acceptance", help="AE's acceptance probability: learned (from this server's verifications) or confidence (the paper's)."),
-    ae_lookahead: int = typer.Option(2, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain (1: the paper's rule)."),
+    ae_lookahead: int = typer.Option(SpecSettings.ae_lookahead, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain (1: the paper's rule)."),
     draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers the N most frequent tokens (0: all)."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model)."),
 ):

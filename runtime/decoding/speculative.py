@@ -222,8 +222,9 @@ class SpeculativeDecoder:
             # looks at the gain: a stopping time of the drafted tokens, so speculative sampling stays exact.
             last = False
             p_acc = self._p_accept(prob)
-            if m.admit == "utility" and prefix * p_acc * costs.t_ar / costs.c_draft < s.utility_threshold:
-                # even with ΔC_ver = 0 this token (and every later one, P_j only falls) cannot pay
+            # the most this token, or any later one, can gain: P_j·T_AR − θ·C_draft (P only falls, ΔC_ver ≥ 0)
+            ceiling = prefix * p_acc * costs.t_ar - s.utility_threshold * costs.c_draft
+            if m.admit == "utility" and ceiling < 0:  # even with ΔC_ver = 0 this token cannot pay
                 if droppable:
                     break  # skip its draft pass
                 last = True
@@ -237,15 +238,13 @@ class SpeculativeDecoder:
             if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
                 new = self._predicted_experts(rec, 0, selected) - selected
                 delta = marginal_verification_cost(new, self._state, costs)
-                gain += prefix * p_acc * costs.t_ar - s.utility_threshold * (delta + costs.c_draft)
+                gain += ceiling - s.utility_threshold * delta
                 selected |= new
                 past = len(d.tokens) + 1 - best_n  # tokens drafted since the peak, this one included
                 if gain >= best:
                     best, best_n = gain, len(d.tokens) + 1
-                elif past >= s.ae_lookahead or best - gain >= (s.ae_lookahead - past) * (
-                        prefix * p_acc * costs.t_ar - s.utility_threshold * costs.c_draft):
-                    # no later token gains more than P_j·T_AR − θ·C_draft (P only falls, ΔC_ver ≥ 0): when
-                    # the ones the lookahead has left cannot climb back to the peak, their passes are waste
+                elif past >= s.ae_lookahead or best - gain >= (s.ae_lookahead - past) * ceiling:
+                    # the tokens the lookahead has left cannot climb back to the peak: their passes are waste
                     last = True
             prefix *= p_acc
             d.tokens.append(token)
