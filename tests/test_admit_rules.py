@@ -96,6 +96,17 @@ def test_ae_lookahead_stops_where_no_later_token_can_climb_back():
     assert passes[2] == 2 and passes[4] >= 3, passes
 
 
+def test_ae_lookahead_bound_counts_only_the_tokens_the_draft_cap_leaves():
+    """As above with lookahead 4, but a cap of 2: one token is left, not three, and .55 < 1.45, so
+    drafting stops after 2 passes as with lookahead 2 (the third would draft a token that is dropped)."""
+    costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=2.0, t_exp_hit=2.0)
+    model = StubModel(_chain(0.8), _chain(0.8), vocab=4, experts_of=_experts)
+    dec = SpeculativeDecoder(model, get_method("ca+ae"), SpecSettings(draft_topk=1, draft_cap=2, ae_lookahead=4),
+                             costs)
+    dec.generate([START], 3)
+    assert dec.metrics.draft_samples[0][0] == 2, dec.metrics.draft_samples[0]
+
+
 def test_ae_prefix_probability_and_threshold():
     costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.0, t_exp_hit=0.0)  # ΔC_ver = 0
     # U_i = prefix / 0.25 with prefix .8, .64, .512, .4096, .328, .262, .210 …

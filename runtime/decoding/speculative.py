@@ -243,9 +243,11 @@ class SpeculativeDecoder:
                 past = len(d.tokens) + 1 - best_n  # tokens drafted since the peak, this one included
                 if gain >= best:
                     best, best_n = gain, len(d.tokens) + 1
-                elif past >= s.ae_lookahead or best - gain >= (s.ae_lookahead - past) * ceiling:
-                    # the tokens the lookahead has left cannot climb back to the peak: their passes are waste
-                    last = True
+                else:
+                    # the tokens the lookahead (and the draft cap) leave cannot climb back to the peak:
+                    # their passes would be waste
+                    left = min(s.ae_lookahead - past, length - len(d.tokens) - 1)
+                    last = left <= 0 or best - gain >= left * ceiling
             prefix *= p_acc
             d.tokens.append(token)
             d.token_probs.append(prob)
