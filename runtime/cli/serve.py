@@ -27,9 +27,9 @@ def serve(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template file (default: tokenizer_config.json's)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) instead of the model's."),
-    acceptance: str = typer.Option("learned", "--acceptance", help="AE's acceptance probability: learned (from this server's verifications) or confidence (the paper's)."),
+    acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability: learned (from this server's verifications) or confidence (the paper's)."),
     ae_lookahead: int = typer.Option(SpecSettings.ae_lookahead, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain (1: the paper's rule)."),
-    draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers the N most frequent tokens (0: all)."),
+    draft_vocab: int = typer.Option(SpecSettings.draft_vocab, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers the N most frequent tokens (0: all)."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model)."),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
@@ -62,7 +62,7 @@ def serve(
             say(f"warning: --ctx-size {context} is above the {c.max_position_embeddings} positions the model was "
                 "trained for; quality past them is not known", "yellow")
         chosen = apply_profile(profile, loaded, budget, None)
-        settings = make_settings(c, None, None, None, None, "paper", chosen.profile, acceptance=acceptance,
+        settings = make_settings(c, None, None, None, None, SpecSettings.rg_variant, chosen.profile, acceptance=acceptance,
                                  ae_lookahead=ae_lookahead, draft_vocab=draft_vocab, token_ranks=token_ranks)
         check_draft_vocab(loaded, settings)
         tok = load_tokenizer(loaded, tokenizer)
