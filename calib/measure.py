@@ -163,11 +163,11 @@ def controlled_passes(model: MoEModel, token_lists: list[list[int]], max_batch: 
 
 
 def decode_step_times(model: MoEModel, prompts: list[list[int]], tokens: int, policy: RoutingPolicy,
-                      tick: Tick = _noop) -> list[float]:
-    """Per-step wall times of AR decoding (with the target, or the draft's policy for C_draft)."""
+                      tick: Tick = _noop, head=None) -> list[float]:
+    """Per-step wall times of AR decoding (with the target, or the draft's policy and lm head for C_draft)."""
     steps: list[float] = []
     for ids in prompts:
-        res = generate_ar(model, ids, tokens, policy=policy)
+        res = generate_ar(model, ids, tokens, policy=policy, head=head)
         steps.extend(res.step_seconds[1:])  # the first step still carries prompt-side misses
         tick()
     return steps

@@ -18,7 +18,8 @@ def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spe
     """Every verification pass of real S²-MoE decoding (reuse-aware gating on) at a budget, draft
     caps cycling 1..cap so every batch size occurs, captured for replay. The engine stays open
     (the passes replay on it) until the block ends. ``kv_positions`` and ``batch``: the memory plan
-    of the run the passes stand for (calib/plan.py), so the experts get the capacity that run has."""
+    of the run the passes stand for (calib/plan.py), and its draft head's rows (``spec["draft_vocab"]``),
+    so the experts get the capacity that run has."""
     from s2moe.runtime.kernels.backend import NUMPY
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.decoding.methods import SpecSettings, get_method
@@ -28,7 +29,7 @@ def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spe
     engine = build_engine(loaded.path, budget, kv_positions, hot, emulate_bandwidth=emulation.get("bandwidth_mb_s"),
                           emulate_latency=emulation.get("latency_us") or 0.0, loaded=loaded, fetch_threads=fetch_threads,
                           backend=backend or NUMPY, offload_tier=offload_tier, batch=batch,
-                          budget_from=budget_from)
+                          budget_from=budget_from, draft_vocab=spec.get("draft_vocab", 0))
     # no draft-guided prefetch: reuse-aware gating routes toward experts in flight as well as resident
     # ones, and a replay cannot put a read back in flight, so its routing would differ. The plan keeps
     # the run's prefetch workspace (same expert capacity); T_exp is the cost on the critical path.

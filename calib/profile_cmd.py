@@ -68,7 +68,8 @@ def _resumable(samples_path: str, fresh: dict) -> dict:
             old = jsonfile.load(f)
     except (OSError, ValueError):
         raise UsageError(f"{samples_path}: nothing to resume (no readable samples file); run without --resume") from None
-    same = all(old.get(k) == v for k, v in fresh.items())
+    # samples files from before --draft-vocab timed C_draft with the full head
+    same = all(old.get(k, 0 if k == "draft_vocab" else None) == v for k, v in fresh.items())
     if not same:
         raise UsageError(f"{samples_path}: samples were taken for another model, device, budget or slow tier; "
                          "run without --resume")
@@ -146,8 +147,10 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                 draft_topk: int | None, samples_n: int, emulate_bandwidth: float | None, emulate_latency: float,
                 fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False,
                 rounds: int = replay_mod.DEFAULT_ROUNDS, backend="auto", context: int | None = None,
-                n_prompts: int = DECODE_PROMPTS) -> dict:
+                n_prompts: int = DECODE_PROMPTS, draft_vocab: int = 0, token_ranks: str | None = None) -> dict:
     """``backend``: a name for `profile_backend`, or a `Backend` (tests pass a CPU stand-in).
+    ``draft_vocab``: C_draft is timed with a FR-Spec head of that many rows (``token_ranks``: its
+    ranks file, default the model's), as `s2moe run --draft-vocab` drafts; the profile records it.
     ``n_prompts``: profiling prompts decoded (32 tokens each) for the fit's in-situ passes.
     ``context``: prompt + generated tokens the runs will use; the KV reservation, the hot list and
     the decode passes are planned for it as `s2moe run` plans (see plan.py)."""
@@ -168,10 +171,14 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     draft_k = default_draft_topk(c.top_k) if draft_topk is None else \
         int(number("--draft-topk", draft_topk, low=1, high=c.top_k, integer=True))
     draft_cap = 8
+    if draft_vocab:  # a ranks file that cannot serve the head fails here, before any timing
+        from s2moe.runtime.model.draft_head import head_ids, ranks_file
+
+        head_ids(ranks_file(loaded.path, token_ranks), c.vocab_size, draft_vocab)
     ctx = plan_mod.context_tokens(plan_mod.DEFAULT_CONTEXT if context is None else context,
                                   c.max_position_embeddings)
     # the plan `s2moe run` makes for a run of ctx tokens: a budget too small fails here, at once
-    plan = plan_mod.run_plan(loaded, budget, ctx, draft_cap, arrays)
+    plan = plan_mod.run_plan(loaded, budget, ctx, draft_cap, arrays, draft_vocab=draft_vocab)
     kv_positions, pass_batch = plan_mod.kv_positions(ctx, draft_cap), plan_mod.batch(ctx, draft_cap)
     fingerprint = model_fingerprint(loaded)
     emulation = Emulation(emulate_bandwidth, emulate_latency)
@@ -179,7 +186,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     gathered: dict = {"model": loaded.path, "fingerprint": fingerprint, "device": kind, "budget": budget or "1.0",
                       "context_tokens": ctx,
                       "emulation": [emulate_bandwidth, emulate_latency], "fetch_threads": fetch_threads,
-                      "rounds": rounds, "backend": arrays.name}
+                      "rounds": rounds, "backend": arrays.name, "draft_vocab": draft_vocab}
     if resume:
         gathered = _resumable(samples_path, gathered)
 
@@ -231,10 +238,12 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
             if name not in steps:
                 engine = build_engine(loaded.path, budget, kv_positions, pinned, policy, emulate_bandwidth,
                                       emulate_latency, loaded=loaded, fetch_threads=fetch_threads, backend=arrays,
-                                      offload_tier=tier, batch=pass_batch)
+                                      offload_tier=tier, batch=pass_batch, draft_vocab=draft_vocab)
                 assert engine.plan.expert_capacity == plan.expert_capacity, "profile and run plans differ"
                 policy_for = TARGET if name == "t_ar" else draft_policy(engine.model, draft_k)
-                steps[name] = measure.decode_step_times(engine.model, prompts, decode_tokens, policy_for, tick)
+                head = engine.model.draft_head(draft_vocab, token_ranks) if name == "c_draft" else None
+                steps[name] = measure.decode_step_times(engine.model, prompts, decode_tokens, policy_for, tick,
+                                                        head=head)
                 engine.close()
                 keep("decode_steps", steps)
         progress.update(t, completed=2 * len(prompts))
@@ -305,6 +314,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                     if emulation.active else None},
         "cost_model": {"t_ar_ms": ar["median"] * ms, "t_ar_p90_ms": ar["p90"] * ms, "c_draft_ms": dr["median"] * ms,
                        "c_draft_routing": "resident experts only (else the best resident one), as s2moe run drafts",
+                       "c_draft_head": f"the {draft_vocab} most frequent tokens" if draft_vocab else "the full vocabulary",
                        "t_exp_miss_ms": const.t_exp_miss * ms, "t_exp_hit_ms": const.t_exp_hit * ms,
                        "t_base_ms": const.t_base * ms, "t_token_ms": const.t_token * ms,
                        "fit": {"r2": round(fit_r2, 5), "mape_percent": round(fit_mape * 100, 3),
@@ -315,7 +325,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                                **fit_details(cost_model, "decode passes" if in_situ else "controlled passes")}},
         "hot_experts": residency,
         "speculative": {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k,
-                        "utility_threshold": 1.0},
+                        "utility_threshold": 1.0, "draft_vocab": draft_vocab},
         "validation": None,
         "provenance": {"tool_version": __version__, "commit": git_commit(),
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -335,7 +345,7 @@ def draft_policy(model, draft_k: int) -> RoutingPolicy:
 
 def summary_table(profile: dict) -> Table:
     c, o, h = profile["cost_model"], profile["offload"], profile["hot_experts"] or {}
-    b = profile["budget"]
+    b, s = profile["budget"], profile["speculative"]
     t = Table(title=f"device profile · {profile['device']['kind']} · {profile['model']['name']} · "
                     f"budget {profile['budget']['spec']}")
     t.add_column("quantity")
@@ -351,7 +361,8 @@ def summary_table(profile: dict) -> Table:
         ("verification base / per token", f"{c['t_base_ms']:.3f} / {c['t_token_ms']:.4f} ms"),
         ("cost fit (in-sample)", f"R² {c['fit']['r2']:.4f} · MAPE {c['fit']['mape_percent']:.2f} % · n {c['fit']['n']}"),
         ("T_AR median / p90", f"{c['t_ar_ms']:.3f} / {c['t_ar_p90_ms']:.3f} ms"),
-        ("C_draft (draft k %d)" % profile["speculative"]["draft_topk"], f"{c['c_draft_ms']:.3f} ms"),
+        (f"C_draft (draft k {s['draft_topk']}" + (f", head of {s['draft_vocab']} tokens)" if s.get("draft_vocab") else ")"),
+         f"{c['c_draft_ms']:.3f} ms"),
         ("budget plan", f"{b['spec']}: {b['expert_capacity_bytes']:,} bytes for experts, runs of up to "
                         f"{b['context_tokens']} tokens ({b['kv_positions']} KV positions)"),
         ("residency strategy", f"{h.get('strategy')} ({len(h.get('gpu_experts', []))} pinned)"),
@@ -394,6 +405,8 @@ def profile(
     workload: Optional[str] = typer.Option(None, "--workload", "-w", help="JSONL prompts (default: the packaged set)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Profile path (default profiles/<detected device>-<model>.json)."),
     draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token to time C_draft with."),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="Time C_draft with a FR-Spec draft head of the N most frequent tokens, as s2moe run --draft-vocab N drafts (0: the full head); runs with this profile draft with it unless --draft-vocab says otherwise."),
+    token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model)."),
     samples: int = typer.Option(150, "--samples", help="Timed verification passes for the cost fit (at least 10)."),
     n_prompts: int = typer.Option(DECODE_PROMPTS, "--n-prompts", help="Profiling prompts decoded for the fit's in-situ verification passes, 32 tokens each (at least 1; validate decodes held-out ones)."),
     decode_tokens: int = typer.Option(24, "--decode-tokens", help="Decode steps per prompt for T_AR / C_draft (at least 4)."),
@@ -429,7 +442,8 @@ def profile(
         try:
             data = run_profile(path, device, budget, workload, target, draft_topk, samples, emulate_bandwidth,
                                emulate_latency, fetch_threads, decode_tokens, resume=resume, rounds=rounds,
-                               backend=backend, context=ctx_size, n_prompts=n_prompts)
+                               backend=backend, context=ctx_size, n_prompts=n_prompts, draft_vocab=draft_vocab,
+                               token_ranks=token_ranks)
         except KeyboardInterrupt:
             samples_path = os.path.splitext(target)[0] + ".samples.json"
             say(f"interrupted: {target} is unchanged; samples so far are in {samples_path}; "

@@ -104,6 +104,7 @@ SCHEMA: dict = {
             "properties": {
                 "draft_topk": {"type": "integer", "minimum": 1}, "draft_cap": {"type": "integer", "minimum": 1},
                 "reuse_cap": {"type": "integer", "minimum": 0}, "utility_threshold": _nonneg,
+                "draft_vocab": {"type": "integer", "minimum": 0},
             },
         },
         "validation": {"type": ["object", "null"]},

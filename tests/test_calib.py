@@ -178,12 +178,23 @@ def test_interrupted_profile_leaves_existing_profile_untouched(calib_model, tmp_
 
 
 def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
+    """Also a FR-Spec draft head: the profile times C_draft with it and records it, and a run with
+    the profile drafts with it (or fails in one line naming the profile when it cannot)."""
     out = tmp_path / "tiny.json"
+    with open(os.path.join(calib_model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    ranks = tmp_path / "ranks.json"
+    ranks.write_text(json.dumps({"format": "s2moe-token-ranks", "vocab_size": vocab,
+                                 "ranked_ids": list(range(vocab))[::-1]}))
+    head = vocab // 2
     r = calib("profile", "--device", "cpu", "-m", calib_model, "-w", WORKLOAD, "--out", str(out),
-              "--samples", "30", "--decode-tokens", "6", "--budget", "0.5")
+              "--samples", "30", "--decode-tokens", "6", "--budget", "0.5", "--draft-vocab", str(head),
+              "--token-ranks", str(ranks))
     assert r.returncode == 0, r.stderr
     prof = load_profile(str(out))
     assert prof.data["source"] == "measured" and prof.data["budget"]["spec"] == "0.5"
+    assert prof.speculative["draft_vocab"] == head
+    assert prof.data["cost_model"]["c_draft_head"] == f"the {head} most frequent tokens"
     assert os.path.exists(tmp_path / "tiny.samples.json")
     # no --model: validate checks the profile's own model (not the embedded one) and records its verdict
     r = calib("validate", "--profile", str(out), "-w", WORKLOAD, "--n-prompts", "4",
@@ -200,12 +211,20 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     assert strict.returncode == 1
     refit = calib("fit", str(tmp_path / "tiny.samples.json"), "--json")
     assert refit.returncode == 0 and "t_exp_miss_ms" in json.loads(refit.stdout)
-    run = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "run", "-m", calib_model, "-p", "def f",
-                          "-n", "6", "--profile", str(out), "--json"], capture_output=True, text=True, timeout=300)
+    args = [sys.executable, "-m", "s2moe.runtime.cli", "run", "-m", calib_model, "-p", "def f", "-n", "6",
+            "--profile", str(out), "--json"]
+    # the model has no ranks file of its own: the profile's head cannot be built, and the error says whose it is
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "speculative.draft_vocab" in run.stderr and "--draft-vocab 0" in run.stderr, run.stderr
+    run = subprocess.run(args + ["--token-ranks", str(ranks)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     stats = json.loads(run.stdout)["stats"]
     assert stats["cost_constants"]["source"].startswith("profile") and "estimated" not in run.stderr
     assert stats["offload"]["budget"] == "50% of expert bytes"
+    assert stats["draft_vocab"]["size"] == head  # drafted with the head the profile timed
+    run = subprocess.run(args + ["--draft-vocab", "0"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "draft_vocab" not in json.loads(run.stdout)["stats"], run.stderr
 
 
 def test_emulated_tier_is_recovered(calib_model):

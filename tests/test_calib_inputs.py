@@ -244,6 +244,8 @@ def test_export_writes_no_file_unasked(tmp_path):
     (("profile", "--device", "cpu", "--ctx-size", "0"), "--ctx-size"),
     (("profile", "--device", "cpu", "--ctx-size", "999999"), "--ctx-size"),  # beyond the model's 2,048
     (("profile", "--device", "cpu", "--draft-topk", "99"), "--draft-topk"),  # the model's top-k is 4
+    (("profile", "--device", "cpu", "--draft-vocab", "99999"), "--draft-vocab 99999"),  # 6,144 tokens
+    (("profile", "--device", "cpu", "--draft-vocab", "8", "--token-ranks", "/nonexistent.json"), "/nonexistent.json"),
     (("profile", "--device", "cpu", "--emulate-bandwidth", "nan"), "--emulate-bandwidth"),
     (("profile", "--device", "cpu", "--emulate-latency", "-1"), "--emulate-latency"),
     (("profile", "--device", "cpu", "--fetch-threads", "0"), "--fetch-threads"),
@@ -311,7 +313,8 @@ def test_profile_times_c_draft_without_fetches(tmp_path, monkeypatch):
     """The run's draft routes to resident experts only and never fetches, so `profile` must time
     C_draft the same way: timed with fetches it came out at half of T_AR under a slow tier. Counted,
     not timed: which steps read experts does not depend on how busy the machine is (a ratio of
-    C_draft to T_AR did, under load)."""
+    C_draft to T_AR did, under load). With --draft-vocab, C_draft is timed with that draft head
+    (as the run drafts), T_AR with the full one."""
     from typer.testing import CliRunner
 
     from s2moe.calib import measure
@@ -319,23 +322,28 @@ def test_profile_times_c_draft_without_fetches(tmp_path, monkeypatch):
 
     timed = measure.decode_step_times
     reads = []  # (steps timed, expert reads during them), one per call: T_AR's, then C_draft's
+    heads = []  # the lm head each call timed with: None (full) or the draft head's size
 
-    def counting(model, prompts, tokens, policy, tick=lambda: None):
+    def counting(model, prompts, tokens, policy, tick=lambda: None, head=None):
         phases = lambda: sum(s.misses for s in model.experts.stats.values())  # noqa: E731
         before = phases()
-        steps = timed(model, prompts, tokens, policy, tick)
+        steps = timed(model, prompts, tokens, policy, tick, head=head)
         reads.append((len(steps), phases() - before))
+        heads.append(None if head is None else head.size)
         return steps
 
     monkeypatch.setattr(measure, "decode_step_times", counting)
     out = tmp_path / "p.json"
     r = CliRunner().invoke(app, ["profile", "--device", "cpu", "--budget", "0.25", "--out", str(out),
-                                 "--samples", "10", "--n-prompts", "1", "--decode-tokens", "4", "--rounds", "1"])
+                                 "--samples", "10", "--n-prompts", "1", "--decode-tokens", "4", "--rounds", "1",
+                                 "--draft-vocab", "1024"])
     assert r.exit_code == 0, r.output
     assert len(reads) == 2, reads
     (ar_steps, ar_reads), (draft_steps, draft_reads) = reads
     assert ar_steps > 0 and ar_reads > 0  # at 25 % an AR step misses: the count can see fetches
     assert draft_steps > 0 and draft_reads == 0, reads
+    assert heads == [None, 1024], heads
+    assert json.loads(out.read_text())["speculative"]["draft_vocab"] == 1024
 
 
 def test_fit_matches_older_samples_by_the_model_they_name(tmp_path):

@@ -277,6 +277,14 @@ CORE: list[Mutation] = [
     Mutation("serve-spec-flags-dropped", "runtime/cli/serve.py",
              "acceptance=acceptance,\n                                 ae_lookahead=ae_lookahead, draft_vocab=draft_vocab, token_ranks=token_ranks)",
              ")", ["tests/test_serve.py", "-k", "reach"], "s2moe serve's --acceptance, --ae-lookahead and --draft-vocab ignored"),
+    Mutation("profile-draft-vocab-ignored-by-run", "runtime/cli/spec_options.py",
+             'switches["draft_vocab"] = pick(switches.get("draft_vocab"), "draft_vocab")',
+             'switches["draft_vocab"] = switches.get("draft_vocab") or 0', ["tests/test_calib.py", "-k", "end_to_end"],
+             "a run with a profile drafts with the full head though the profile's C_draft was timed with a smaller one"),
+    Mutation("profile-c-draft-full-head", "calib/profile_cmd.py",
+             'head = engine.model.draft_head(draft_vocab, token_ranks) if name == "c_draft" else None',
+             "head = None", ["tests/test_calib_inputs.py", "-k", "c_draft"],
+             "profile --draft-vocab records the head but times C_draft with the full one"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND

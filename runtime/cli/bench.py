@@ -34,7 +34,7 @@ def bench(
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the cost constants fixed instead of following the passes the run makes."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
-    draft_vocab: int = typer.Option(SpecSettings.draft_vocab, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers only the N most frequent tokens of the model's token_ranks.json (0 = all); verification keeps the full head, so the output is unchanged."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers only the N most frequent tokens of the model's token_ranks.json (0 = all; default: the profile's, else 0); verification keeps the full head, so the output is unchanged."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model; write one with s2moe vocab)."),
     temperature: float = typer.Option(0.0, "--temperature", "-t"),
     seed: Optional[int] = typer.Option(0, "--seed"),
@@ -86,7 +86,7 @@ def bench(
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead)
-        check_draft_vocab(loaded, settings)
+        check_draft_vocab(loaded, settings, draft_vocab)
         params = SamplingParams(temperature=temperature, seed=seed, sampler=sampler)
         recorder = None
         if trace_path:

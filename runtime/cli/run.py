@@ -36,7 +36,7 @@ def run(
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the profile's (or start-up) cost constants fixed instead of following the passes this run makes."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
-    draft_vocab: int = typer.Option(SpecSettings.draft_vocab, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers only the N most frequent tokens of the model's token_ranks.json (0 = all); verification keeps the full head, so the output is unchanged."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers only the N most frequent tokens of the model's token_ranks.json (0 = all; default: the profile's, else 0); verification keeps the full head, so the output is unchanged."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model; write one with s2moe vocab)."),
     no_share_kv: bool = typer.Option(False, "--no-share-kv", help="Ablation: the draft keeps its own KV cache."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 = greedy (argmax). Default: the model's generation_config.json, else 0."),
@@ -91,7 +91,7 @@ def run(
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead)
-        check_draft_vocab(loaded, settings)
+        check_draft_vocab(loaded, settings, draft_vocab)
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(text_in).ids
         if not ids:

@@ -29,7 +29,7 @@ def serve(
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) instead of the model's."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability: learned (from this server's verifications) or confidence (the paper's)."),
     ae_lookahead: int = typer.Option(SpecSettings.ae_lookahead, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain (1: the paper's rule)."),
-    draft_vocab: int = typer.Option(SpecSettings.draft_vocab, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers the N most frequent tokens (0: all)."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers the N most frequent tokens (0: all; default: the profile's, else 0)."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model)."),
 ):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
@@ -64,7 +64,7 @@ def serve(
         chosen = apply_profile(profile, loaded, budget, None)
         settings = make_settings(c, None, None, None, None, SpecSettings.rg_variant, chosen.profile, acceptance=acceptance,
                                  ae_lookahead=ae_lookahead, draft_vocab=draft_vocab, token_ranks=token_ranks)
-        check_draft_vocab(loaded, settings)
+        check_draft_vocab(loaded, settings, draft_vocab)
         tok = load_tokenizer(loaded, tokenizer)
         template = load_chat_template(loaded.path, chat_template)
         slack = 2 * max(settings.draft_cap, 8) + 2  # drafted positions past the context, rolled back

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from ..decoding.methods import SpecSettings, parse_draft_topk
 from .common import say
 
-DEFAULTS = {"draft_cap": 8, "utility_threshold": 1.0}
+# what a run uses where neither a flag nor the profile says
+DEFAULTS = {k: getattr(SpecSettings, k) for k in ("draft_cap", "utility_threshold", "draft_vocab")}
 
 
 def default_draft_topk(top_k: int) -> int:
@@ -28,18 +29,28 @@ def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_c
     else:
         default, overrides = spec.get("draft_topk") or default_draft_topk(config.top_k), {}
     pick = lambda flag, key: flag if flag is not None else spec.get(key, DEFAULTS.get(key))  # noqa: E731
+    # the profile's C_draft was timed with its draft head: draft with that head unless told otherwise
+    switches["draft_vocab"] = pick(switches.get("draft_vocab"), "draft_vocab")
     return SpecSettings(draft_topk=default, layer_draft_topk=overrides, draft_cap=pick(draft_cap, "draft_cap"),
                         reuse_cap=pick(reuse_cap, "reuse_cap"), utility_threshold=pick(threshold, "utility_threshold"),
                         rg_variant=rg_variant, **switches).validate(config.top_k, config.num_experts,
                                                                     config.moe_layer_ids)
 
 
-def check_draft_vocab(loaded, settings) -> None:
-    """Fail before any weight is read when --draft-vocab cannot be served by the ranks file."""
+def check_draft_vocab(loaded, settings, flag: int | None = None) -> None:
+    """Fail before any weight is read when --draft-vocab cannot be served by the ranks file;
+    ``flag``: the command line's value (None: the head came from the profile, which the error says)."""
     if settings.draft_vocab:
+        from ..errors import UsageError
         from ..model.draft_head import head_ids, ranks_file
 
-        head_ids(ranks_file(loaded.path, settings.token_ranks), loaded.config.vocab_size, settings.draft_vocab)
+        try:
+            head_ids(ranks_file(loaded.path, settings.token_ranks), loaded.config.vocab_size, settings.draft_vocab)
+        except UsageError as exc:
+            if flag is not None:
+                raise
+            raise UsageError(f"{exc} (the profile's speculative.draft_vocab is {settings.draft_vocab}; "
+                             "--draft-vocab 0 drafts with the full head)") from None
 
 
 @dataclass

@@ -45,8 +45,10 @@ def generate_ar(
     stop_ids: Iterable[int] = (),
     on_token: Callable[[int], None] | None = None,
     policy: RoutingPolicy = TARGET,
+    head=None,
 ) -> GenerationResult:
-    """Greedy or sampled AR decoding. ``policy`` lets calibration time the draft configuration."""
+    """Greedy or sampled AR decoding. ``policy`` and ``head`` (a FR-Spec `DraftHead`) let
+    calibration time the draft configuration."""
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise ValueError("empty prompt")
@@ -58,7 +60,7 @@ def generate_ar(
 
     t0 = time.perf_counter()
     with phase_of(model, "prefill"):
-        logits, _ = model.forward(prompt, kv, logits="last", record=False, policy=policy)
+        logits, _ = model.forward(prompt, kv, logits="last", record=False, policy=policy, head=head)
     kv.commit(len(prompt))
     result.prefill_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -75,7 +77,7 @@ def generate_ar(
             break
         ts = time.perf_counter()
         with phase_of(model, "ar"):
-            logits, _ = model.forward([token], kv, logits="last", record=False, policy=policy)
+            logits, _ = model.forward([token], kv, logits="last", record=False, policy=policy, head=head)
         kv.commit(kv.filled)
         result.step_seconds.append(time.perf_counter() - ts)
     result.decode_seconds = time.perf_counter() - t1
