@@ -19,7 +19,8 @@ def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spe
     caps cycling 1..cap so every batch size occurs, captured for replay. The engine stays open
     (the passes replay on it) until the block ends. ``kv_positions`` and ``batch``: the memory plan
     of the run the passes stand for (calib/plan.py), and its draft head's rows (``spec["draft_vocab"]``),
-    so the experts get the capacity that run has."""
+    so the experts get the capacity that run has. The draft here keeps the full head: what a
+    verification pass costs does not depend on it, only which tokens get drafted."""
     from s2moe.runtime.kernels.backend import NUMPY
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.decoding.methods import SpecSettings, get_method

@@ -71,7 +71,7 @@ def _resumable(samples_path: str, fresh: dict) -> dict:
     # samples files from before --draft-vocab timed C_draft with the full head
     same = all(old.get(k, 0 if k == "draft_vocab" else None) == v for k, v in fresh.items())
     if not same:
-        raise UsageError(f"{samples_path}: samples were taken for another model, device, budget or slow tier; "
+        raise UsageError(f"{samples_path}: samples were taken for another model, device, budget, slow tier or draft head; "
                          "run without --resume")
     say(f"resuming from {samples_path}: {', '.join(k for k in old if k not in fresh)} already measured")
     return old
@@ -265,7 +265,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         if in_situ is None or ver is None:
             from s2moe.runtime.decoding.cost_model import CostConstants
 
-            spec = {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k}
+            spec = {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k, "draft_vocab": draft_vocab}
             placeholder = CostConstants(t_ar=1.0, c_draft=1.0, t_exp_miss=0.0, t_exp_hit=0.0)  # threshold 0: unused
             emu = {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
             with decode_passes(loaded, profiling[:n_prompts] if in_situ is None else [], budget, pinned, spec, placeholder,

@@ -26,6 +26,10 @@ MIN_PASSES = 10  # below this a refit is noise; say how to get more
 MIN_STEPS = 4  # AR steps or draft phases needed to replace T_AR or C_draft
 
 
+def _head(n: int) -> str:
+    return f"a draft head of {n} tokens" if n else "the full head"
+
+
 def _same_run_conditions(log: dict, prof, passes_path: str) -> None:
     from s2moe.runtime.errors import UsageError
 
@@ -109,7 +113,10 @@ def updated_profile(profile_path: str, passes_path: str) -> tuple[dict, dict]:
     else:
         kept.append("T_AR (too few AR steps in the run)")
     drafts = [d["seconds"] / d["tokens"] for d in log["draft"] if d["tokens"] > 0]
-    if len(drafts) >= MIN_STEPS:
+    head, run_head = prof.speculative.get("draft_vocab", 0), log.get("draft_vocab", 0)
+    if head != run_head:  # another lm head costs another C_draft: the run's says nothing of the profile's
+        kept.append(f"C_draft (the run drafted with {_head(run_head)}, the profile's C_draft is for {_head(head)})")
+    elif len(drafts) >= MIN_STEPS:
         c["c_draft_ms"] = float(np.median(drafts)) * ms
     else:
         kept.append("C_draft (too few draft phases in the run)")

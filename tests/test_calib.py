@@ -217,6 +217,8 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     run = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert "speculative.draft_vocab" in run.stderr and "--draft-vocab 0" in run.stderr, run.stderr
+    run = subprocess.run(args + ["--method", "ar"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr  # AR drafts nothing: no head to build
     run = subprocess.run(args + ["--token-ranks", str(ranks)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     stats = json.loads(run.stdout)["stats"]

@@ -156,6 +156,23 @@ def test_update_keeps_a_constant_the_run_cannot_tell(setup, tmp_path):
     assert any("t_exp_miss_ms" in k and "n_missing" in k for k in json.loads(r.stdout)["kept"])
 
 
+def test_update_keeps_c_draft_timed_with_another_draft_head(setup, tmp_path):
+    """A run that drafted with a FR-Spec head of 1024 tokens says nothing about C_draft with the full
+    head the profile was timed for: C_draft stays, the summary says why, the rest is refitted."""
+    assert json.loads(setup.logs["s2moe"].read_text())["draft_vocab"] == 0  # the profile's head: the full one
+    prof = _copy(setup, tmp_path)
+    before = load_profile(str(prof)).data["cost_model"]["c_draft_ms"]
+    log = json.loads(setup.logs["s2moe"].read_text())
+    log["draft_vocab"] = 1024
+    log["draft"] = [{"tokens": 4, "seconds": 0.0036}] * 5  # 0.9 ms: what the update would take
+    path = tmp_path / "head.passes.json"
+    path.write_text(json.dumps(log))
+    r = calib("profile", "--update", str(prof), "--passes", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    assert load_profile(str(prof)).data["cost_model"]["c_draft_ms"] == before != pytest.approx(0.9)
+    assert any("C_draft" in k and "1024" in k for k in json.loads(r.stdout)["kept"]), r.stdout
+
+
 @pytest.mark.parametrize("change,needle", [
     (lambda log: log.update(fingerprint="0" * 16), "was measured on"),
     (lambda log: log.update(budget="0.5"), "budget"),
@@ -165,6 +182,7 @@ def test_update_keeps_a_constant_the_run_cannot_tell(setup, tmp_path):
     (lambda log: log["ar"][2].update(seconds=0.0), "ar[2].seconds"),  # a 0 s pass stops the relative fit
     (lambda log: log.update(draft=[{"tokens": 2, "seconds": 0}]), "draft[0].seconds"),
     (lambda log: log.update(format="something"), "not an s2moe pass log"),
+    (lambda log: log.update(draft_vocab=-1), "draft_vocab"),
 ])
 def test_update_refuses_passes_it_cannot_use_and_leaves_the_profile(setup, tmp_path, change, needle):
     logs = setup.logs

@@ -285,6 +285,12 @@ CORE: list[Mutation] = [
              'head = engine.model.draft_head(draft_vocab, token_ranks) if name == "c_draft" else None',
              "head = None", ["tests/test_calib_inputs.py", "-k", "c_draft"],
              "profile --draft-vocab records the head but times C_draft with the full one"),
+    Mutation("update-c-draft-any-head", "calib/update.py", "    if head != run_head:", "    if False:",
+             ["tests/test_profile_update.py", "-k", "head"],
+             "profile --update takes C_draft from a run that drafted with another lm head"),
+    Mutation("ar-builds-profile-draft-head", "runtime/cli/run.py", "        if spec.admit == \"none\":  # AR drafts nothing",
+             "        if False:  # AR drafts nothing", ["tests/test_calib.py", "-k", "end_to_end"],
+             "s2moe run --method ar fails on a profile's draft head it never uses"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND

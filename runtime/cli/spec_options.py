@@ -49,8 +49,8 @@ def check_draft_vocab(loaded, settings, flag: int | None = None) -> None:
         except UsageError as exc:
             if flag is not None:
                 raise
-            raise UsageError(f"{exc} (the profile's speculative.draft_vocab is {settings.draft_vocab}; "
-                             "--draft-vocab 0 drafts with the full head)") from None
+            raise UsageError(f"{exc} (the profile's speculative.draft_vocab is {settings.draft_vocab}: pass "
+                             "--token-ranks FILE, or --draft-vocab 0 to draft with the full head)") from None
 
 
 @dataclass

@@ -30,6 +30,7 @@ def pass_log(metrics, loaded, fingerprint: str, backend: str, emulation: str | N
 
     return {"format": FORMAT, "version": VERSION, "model": loaded.path, "fingerprint": fingerprint,
             "backend": backend, "emulation": emulation, "budget": budget or "1.0",
+            "draft_vocab": int(metrics.draft_vocab),  # the draft's lm head: C_draft depends on it
             "verification": rows(metrics.verify_samples), "ar": rows(metrics.ar_samples),
             "draft": [{"tokens": int(n), "seconds": float(s)} for n, s in metrics.draft_samples
                       if n > 0 and math.isfinite(s) and s > 0]}
@@ -79,4 +80,6 @@ def read_pass_log(path: str) -> dict:
             if not isinstance(row, dict) or key not in row:
                 raise UsageError(f"--passes {path}: draft[{i}] has no {key!r}")
             number(f"--passes {path}: draft[{i}].{key}", row[key], low=0, low_open=key == "seconds")
+    if "draft_vocab" in data:  # logs written before it was recorded drafted with the full head
+        number(f"--passes {path}: draft_vocab", data["draft_vocab"], low=0, integer=True)
     return data
