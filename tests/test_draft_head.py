@@ -111,6 +111,15 @@ class _HeadStub(StubModel):
         return DraftHead(np.arange(n, dtype=np.int64), None, self.config.vocab_size)
 
 
+def test_ar_builds_no_draft_head():
+    """AR drafts nothing, and its memory plan (engine.py) leaves no room for a head: `bench` runs AR
+    with the settings of the drafting methods, so the decoder must not build one."""
+    model = _HeadStub(table_target, table_draft, vocab=4)
+    settings = SpecSettings(draft_topk=1, draft_cap=2, draft_vocab=2)
+    assert SpeculativeDecoder(model, get_method("ar"), settings, EAGER).draft_head is None
+    assert SpeculativeDecoder(model, get_method("ca"), settings, EAGER).draft_head.size == 2
+
+
 @pytest.mark.parametrize("sampler", ["standard", "coupled"])
 def test_a_draft_head_keeps_the_target_law(sampler):
     model = _HeadStub(table_target, table_draft, vocab=4)

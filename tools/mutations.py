@@ -288,9 +288,12 @@ CORE: list[Mutation] = [
     Mutation("update-c-draft-any-head", "calib/update.py", "    if head != run_head:", "    if False:",
              ["tests/test_profile_update.py", "-k", "head"],
              "profile --update takes C_draft from a run that drafted with another lm head"),
-    Mutation("ar-builds-profile-draft-head", "runtime/cli/run.py", "        if spec.admit == \"none\":  # AR drafts nothing",
-             "        if False:  # AR drafts nothing", ["tests/test_calib.py", "-k", "end_to_end"],
+    Mutation("ar-checks-profile-draft-head", "runtime/cli/run.py", "        if spec.admit != \"none\":  # AR drafts nothing",
+             "        if True:  # AR drafts nothing", ["tests/test_calib.py", "-k", "end_to_end"],
              "s2moe run --method ar fails on a profile's draft head it never uses"),
+    Mutation("ar-builds-draft-head", SPEC, "if settings.draft_vocab and method.admit != \"none\" else None",
+             "if settings.draft_vocab else None", ["tests/test_draft_head.py", "-k", "ar_builds"],
+             "AR (as bench runs it) builds a draft head its memory plan has no room for"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND

@@ -3,7 +3,6 @@ line and the expert-cache table at the end (stderr), or one JSON object with ``-
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from typing import Optional
@@ -92,9 +91,8 @@ def run(
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead)
-        if spec.admit == "none":  # AR drafts nothing: no draft head to build or check
-            settings = dataclasses.replace(settings, draft_vocab=0)
-        check_draft_vocab(loaded, settings, draft_vocab)
+        if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
+            check_draft_vocab(loaded, settings, draft_vocab)
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(text_in).ids
         if not ids:

@@ -82,8 +82,10 @@ class SpeculativeDecoder:
         self.draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk),
                                           allowed=(lambda L: resident(L, c.num_experts)) if resident else None,
                                           fallback=settings.draft_fallback)
-        # FR-Spec: a draft head over the most frequent tokens (None: the full head)
-        self.draft_head = model.draft_head(settings.draft_vocab, settings.token_ranks) if settings.draft_vocab else None
+        # FR-Spec: a draft head over the most frequent tokens (None: the full head, or AR, which drafts
+        # nothing and whose memory plan has no room for one)
+        self.draft_head = (model.draft_head(settings.draft_vocab, settings.token_ranks)
+                           if settings.draft_vocab and method.admit != "none" else None)
         self.metrics = SpecMetrics()
         self._cascade_k: int | None = None
         # AE's acceptance probabilities: learned from this decoder's verifications (kept across
