@@ -42,18 +42,17 @@ def expert_size(backend):
 
 def run_plan(loaded, budget: str | None, ctx: int, draft_cap: int, backend, kernels: str = "auto",
              where: str = "--budget", draft_vocab: int = 0):
-    """The `MemoryPlan` `build_engine` makes for an S²-MoE run of ``ctx`` tokens (prefetch slots
-    2 × top-k under a budget, none when every expert is resident; a draft head of ``draft_vocab`` rows)."""
+    """The `MemoryPlan` `build_engine` makes for an S²-MoE run of ``ctx`` tokens (a draft head of
+    ``draft_vocab`` rows; prefetches take their room in the expert cache)."""
     from s2moe.runtime.engine import draft_head_bytes
     from s2moe.runtime.kernels import select_ops
     from s2moe.runtime.offload.memory import Budget, plan_memory
 
     parsed = Budget.parse(budget, where)
     ops = select_ops(kernels, None, backend)
-    slots = 0 if parsed.full else 2 * loaded.config.top_k
     return plan_memory(loaded, parsed, kv_positions(ctx, draft_cap), batch=batch(ctx, draft_cap), window=4,
                        reference_kernels=ops.name == "numpy", expert_bytes=expert_size(backend), direct=True,
-                       prefetch=slots, draft_head=draft_head_bytes(loaded, draft_vocab))
+                       draft_head=draft_head_bytes(loaded, draft_vocab))
 
 
 def profile_context(data: dict, where: str) -> int:

@@ -111,11 +111,10 @@ def predict(
         on_device = device not in ("cpu",)
         size = (lambda key: loaded.experts[key].resident_bytes_for(False)) if on_device else \
             (lambda key: loaded.experts[key].resident_bytes_for(True))
-        # one plan for every method, a drafting run's (prefetch slots, draft head): an AR run would
-        # give that workspace to experts too, so its replay may count a few misses too many
+        # one plan for every method, a drafting run's: an AR run, with no draft head, would give the
+        # head's rows to experts too, so under a byte budget its replay may count a few misses too many
         plan = plan_memory(loaded, parsed, context + 2 * max(cap, 8) + 2, batch=max(min(context, 64), 1 + 2 * cap),
                            expert_bytes=(lambda refs: refs.resident_bytes_for(not on_device)),
-                           prefetch=0 if parsed.full else 2 * loaded.config.top_k,
                            draft_head=draft_head_bytes(loaded, int(settings.get("draft_vocab") or 0)))
         capacity = None if plan.expert_capacity >= plan.expert_total else plan.expert_capacity
         if capacity is not None and sum(map(size, hot)) > capacity:  # another budget than the profile's

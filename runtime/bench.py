@@ -89,6 +89,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
     for name in methods:
         spec = get_method(name)
         engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded, **(engine_kw or {}),
+                              prefetch_slots=settings.slots_for(spec),
                               draft_vocab=0 if spec.admit == "none" else settings.draft_vocab)
         if costs is None and estimate is not None:
             costs = estimate(engine.model, ids[0], draft_policy,

@@ -100,8 +100,9 @@ def build_engine(
     ``preload``: when every expert fits, read them all now (the CLI's runs start warm).
     ``draft_vocab``: lm-head rows a FR-Spec draft head copies (model/draft_head.py), planned with
     the dense part.
-    ``prefetch_slots``: experts a draft may read ahead for verification (default 2 × top-k under a
-    budget, 0 when every expert is resident); counted in the plan's workspace."""
+    ``prefetch_slots``: experts a draft may have in flight for verification (default 2 × top-k
+    under a budget, 0 when every expert is resident). They take their room in the expert cache, not
+    in the plan, so every method runs in the same memory."""
     loaded = loaded or load_model(model_path, dense=False)
     parsed = Budget.parse(budget, budget_from)
     experts_only = Budget.parse(expert_budget, "--expert-budget") if expert_budget is not None else None
@@ -120,7 +121,7 @@ def build_engine(
     slots = (0 if everything else 2 * loaded.config.top_k) if prefetch_slots is None else prefetch_slots
     plan = plan_memory(loaded, parsed, kv_positions, experts_only, batch=batch, window=window,
                        reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
-                       prefetch=slots, draft_head=draft_head_bytes(loaded, draft_vocab))
+                       draft_head=draft_head_bytes(loaded, draft_vocab))
     release_freed_memory_promptly()
     if backend.on_device and hasattr(backend, "limit_memory"):  # the budget binds on the device too;
         # slack for the pool's allocation rounding and cuBLAS workspaces

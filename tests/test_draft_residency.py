@@ -79,3 +79,62 @@ def test_prefetch_stays_within_its_slots_and_marks_only_its_own_layer_available(
     cache.settle_prefetches()
     assert cache.prefetching == 0 and cache.resident_bytes <= cache.capacity
     engine.close()
+
+
+def test_only_drafting_methods_read_ahead_and_the_slots_are_the_settings():
+    s2moe, ar = get_method("s2moe"), get_method("ar")
+    assert SpecSettings().slots_for(s2moe) is None  # the engine's default: 2 × top-k under a budget
+    assert SpecSettings(prefetch_slots=3).slots_for(s2moe) == 3
+    assert SpecSettings(prefetch_slots=3).slots_for(ar) == 0
+    assert SpecSettings(prefetch=False, prefetch_slots=3).slots_for(s2moe) == 0
+    default = build_engine(str(DEFAULT_MODEL), "0.25", 256)
+    three = build_engine(str(DEFAULT_MODEL), "0.25", 256, prefetch_slots=3)
+    assert three.cache.prefetch_slots == 3 and default.cache.prefetch_slots == 2 * default.loaded.config.top_k
+    # slots cost no memory of their own: prefetches go into the cache
+    assert (three.plan.model_bytes, three.cache.capacity) == (default.plan.model_bytes, default.cache.capacity)
+
+
+def test_prefetch_into_the_cache_takes_its_room_there_and_keeps_ar_output():
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 256)
+    cache = engine.cache
+    ids = [int(t) for t in np.random.default_rng(5).integers(10, 6000, 12)]
+    want = generate_ar(build_engine(str(DEFAULT_MODEL), "0.25", 256).model, ids, 48).tokens
+    costs = CostConstants(t_ar=0.01, c_draft=0.001, t_exp_miss=0.0005, t_exp_hit=0.0001)
+    result = SpeculativeDecoder(engine.model, get_method("ca+ae"), SpecSettings(draft_cap=4), costs).generate(ids, 48)
+    assert result.tokens == want
+    p = cache.prefetch_stats
+    assert p.issued > 0 and p.used > 0 and p.issued == p.used + p.kept + p.wasted
+    assert not cache._prefetched and not cache._reserved  # every reservation settled
+    assert cache.peak_resident_bytes <= cache.capacity and cache.resident_bytes <= cache.capacity
+
+
+def test_a_prefetch_into_the_cache_evicts_colder_experts_never_predicted_or_pinned_ones():
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 256, hot_experts=[(0, 0)])
+    cache, E = engine.cache, engine.loaded.config.num_experts
+    size = engine.loaded.experts[(0, 0)].resident_bytes_for(True)
+    fill = [(L, e) for L in range(engine.loaded.config.num_layers) for e in range(E)][1:]
+    for L, e in fill:  # fill the cache, each expert used once
+        if cache.resident_bytes + size > cache.capacity:
+            break
+        cache.get(L, [e])
+    full = set(cache.held)
+    assert cache.capacity - cache.resident_bytes < size
+    for L, e in sorted(full):  # each resident expert used twice more
+        cache.get(L, [e])
+        cache.get(L, [e])
+    new = [(L, e) for L, e in fill if (L, e) not in full][:2]
+    for key in new:  # used as often: with the use they are read for, the policy admits them over a victim
+        for _ in range(3):
+            cache.policy.access(key)
+    predicted = sorted(full - {(0, 0)})[:1] + new
+    assert cache.prefetch(predicted) == 2
+    assert cache.resident_bytes <= cache.capacity  # their room was made when they started
+    evicted = full - set(cache.held)
+    assert len(evicted) == 2 and (0, 0) not in evicted and predicted[0] not in evicted
+    assert all(cache.in_flight(k) for k in new)
+    cache.settle_prefetches()
+    assert set(new) <= set(cache.held) and not cache._reserved and cache.resident_bytes <= cache.capacity
+    cold = [(L, e) for L, e in fill if (L, e) not in cache.held][-1]  # never used: every resident ranks above it
+    assert cache.prefetch([cold]) == 0 and not cache._reserved  # no room is made for a colder guess
+    assert set(cache.held) == full - evicted | set(new)
+    engine.close()

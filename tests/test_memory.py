@@ -42,9 +42,9 @@ def wide_model(tmp_path_factory):
     return folder
 
 
-def _run(model: str, budget: str) -> tuple[dict, int]:
+def _run(model: str, budget: str, method: str = "s2moe") -> tuple[dict, int]:
     cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", model, "--prompt", "def fibonacci(n):",
-           "-n", "24", "--budget", budget, "--method", "s2moe", "--temperature", "0", "--json"]
+           "-n", "24", "--budget", budget, "--method", method, "--temperature", "0", "--json"]
     if MEASURE == "cgroup":
         r = cgroups.run_in_cgroup(cmd, timeout=300)
         assert r.returncode == 0, r.stderr
@@ -69,6 +69,21 @@ def test_peak_memory_within_the_plan(which, budget, measure, wide_model):
     over = peak - plan["total_bytes"]
     print(f"{which} at {budget}: peak {peak >> 20} MiB by {measure}, plan {plan['total_bytes'] >> 20} MiB")
     assert over <= SLACK, f"peak {peak} exceeds plan {plan['total_bytes']} + 64 MiB by {over - SLACK} ({measure})"
+
+
+@pytest.mark.parametrize("measure", [MEASURE])
+def test_ar_and_a_prefetching_draft_run_in_the_same_memory(measure, wide_model):
+    # prefetches take their room in the expert cache, not beside it: under one budget AR and S²-MoE
+    # get the same plan (they once differed by 2 × top-k experts of workspace AR left unused)
+    s2moe, peak = _run(wide_model, "0.1")
+    ar, _ = _run(wide_model, "0.1", "ar")
+    mine, theirs = ar["stats"]["offload"]["memory"], s2moe["stats"]["offload"]["memory"]
+    assert mine == {**theirs, "baseline_bytes": mine["baseline_bytes"], "total_bytes": mine["total_bytes"]}
+    largest = theirs["workspace"]["streaming"] // 8  # 2 × a window of 4 reads
+    assert largest >= 3 << 20  # one hidden-1024 F16 expert
+    cache = s2moe["stats"]["offload"]["cache"]
+    assert cache["prefetch"]["issued"] > 0 and cache["peak_resident_bytes"] <= theirs["expert_capacity_bytes"]
+    assert peak - theirs["total_bytes"] <= SLACK, f"peak {peak} over the plan {theirs['total_bytes']} ({measure})"
 
 
 def test_a_share_budget_holds_that_share_of_the_stored_experts(wide_model):

@@ -95,6 +95,9 @@ def test_profile_passes_run_without_prefetch_and_a_capture_refuses_reads_in_flig
         cache.prefetch_slots = 2
         missing = [(L, e) for L in loaded.config.moe_layer_ids for e in range(loaded.config.num_experts)
                    if not cache.contains(L, e)]
+        for key in missing[:2]:  # ranked above what the cache holds, so their prefetches get room there
+            for _ in range(64):
+                cache.policy.access(key)
         assert cache.prefetch(missing[:2]) == 2 and cache.prefetching == 2
         with capture_passes(model, "verify", pool), cache.in_phase("verify"), \
                 pytest.raises(RuntimeError, match="2 prefetches in flight"):

@@ -124,7 +124,7 @@ CORE: list[Mutation] = [
              "entry = (math.log2(count) + last / self.half_life if count > 0 else -math.inf, last, key)",
              "entry = (math.log2(count) if count > 0 else -math.inf, last, key)", T_POLICY,
              "the LFU heap orders by undecayed counts"),
-    Mutation("lfu-admits-everything", CACHE, "return self._score(key) > self._score(victim)", "return True",
+    Mutation("lfu-admits-everything", CACHE, "return self._score(key) + coming > self._score(victim)", "return True",
              T_POLICY, "LFU admission always evicts"),
     Mutation("lru-evicts-most-recent", CACHE, "return next((k for k in self.order if k not in protected), None)",
              "return next((k for k in reversed(self.order) if k not in protected), None)", T_POLICY,

@@ -34,6 +34,7 @@ def run(
     draft_fallback: str = typer.Option(SpecSettings.draft_fallback, "--draft-fallback", help="A draft token whose experts are all absent: best (the best resident expert) or skip (no experts in that layer)."),
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
+    prefetch_slots: Optional[int] = typer.Option(None, "--prefetch-slots", min=0, help="Prefetches in flight at most (default 2 × top-k under a budget); each takes its room in the expert cache."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the profile's (or start-up) cost constants fixed instead of following the passes this run makes."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers only the N most frequent tokens of the model's token_ranks.json (0 = all; default: the profile's, else 0); verification keeps the full head, so the output is unchanged."),
@@ -88,7 +89,7 @@ def run(
         chosen = apply_profile(profile, loaded, budget, hot_experts)
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
-                                 draft_resident=not draft_any_expert, prefetch=not no_prefetch,
+                                 draft_resident=not draft_any_expert, prefetch=not no_prefetch, prefetch_slots=prefetch_slots,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead)
         if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
@@ -255,7 +256,7 @@ def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch
                           fetch_threads=offload.get("fetch_threads"), expert_budget=expert_budget,
                           kernels=kernels, threads=threads, preload=True, budget_from=chosen.budget_from,
                           trim_hot=chosen.trim_hot, batch=batch,
-                          prefetch_slots=0 if spec.admit == "none" or not settings.prefetch else None,
+                          prefetch_slots=settings.slots_for(spec),
                           draft_vocab=0 if spec.admit == "none" else settings.draft_vocab)
     if engine.model.ops.reason.startswith("auto: the compiled"):
         say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")

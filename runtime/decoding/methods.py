@@ -78,8 +78,10 @@ class SpecSettings:
     # the layer's experts ("skip")
     draft_resident: bool = True
     draft_fallback: str = "best"
-    # read the experts the draft predicts for verification while it drafts (within the budget)
+    # read the experts the draft predicts for verification while it drafts, at most this many in
+    # flight (None: 2 × top-k under a budget); each takes its room in the expert cache
     prefetch: bool = True
+    prefetch_slots: int | None = None
     # AE's p_i: "learned" (P(accepted | draft confidence) from the run's verifications; see
     # acceptance.py) or "confidence" (the draft's own probability, as the paper has it)
     acceptance: str = "learned"
@@ -106,6 +108,8 @@ class SpecSettings:
         number("reuse gating strength", self.rg_strength, low=0)
         number("confidence threshold", self.confidence_threshold, low=0, high=1)
         number("--draft-vocab", self.draft_vocab, low=0, integer=True)
+        if self.prefetch_slots is not None:
+            number("--prefetch-slots", self.prefetch_slots, low=0, high=4096, integer=True)
         if self.rg_variant not in ("paper", "code", "resident"):
             raise UsageError(f"--rg-variant {self.rg_variant!r}: choose paper, code or resident")
         if self.acceptance not in ("learned", "confidence"):
@@ -113,6 +117,11 @@ class SpecSettings:
         if self.draft_fallback not in ("best", "skip"):
             raise UsageError(f"--draft-fallback {self.draft_fallback!r}: choose best or skip")
         return self
+
+    def slots_for(self, spec: "MethodSpec") -> int | None:
+        """Prefetches ``spec`` may have in flight: none where it does not draft or prefetch is off,
+        else ``prefetch_slots`` (None: the engine's default)."""
+        return 0 if spec.admit == "none" or not self.prefetch else self.prefetch_slots
 
     def reuse_cap_for(self, top_k: int) -> int:
         return self.reuse_cap if self.reuse_cap is not None else 2 * top_k

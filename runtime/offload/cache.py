@@ -90,7 +90,7 @@ class LRU:
 
     touch = insert  # a hit
 
-    def admit(self, key: Key, victim: Key) -> bool:
+    def admit(self, key: Key, victim: Key, coming: bool = False) -> bool:
         return True
 
     def remove(self, key: Key) -> None:
@@ -152,8 +152,9 @@ class DecayedLFU:
         self.resident.add(key)
         self.access(key)
 
-    def admit(self, key: Key, victim: Key) -> bool:
-        return self._score(key) > self._score(victim)
+    def admit(self, key: Key, victim: Key, coming: bool = False) -> bool:
+        """``coming``: ``key`` is predicted, not used yet: ranked as it will be when its use comes."""
+        return self._score(key) + coming > self._score(victim)
 
     def remove(self, key: Key) -> None:
         self.resident.discard(key)
@@ -199,7 +200,14 @@ class ExpertCache:
         self.policy = POLICIES[policy]()
         self.place = place or (lambda w: w)
         self.window = max(1, window)
-        self.prefetch_slots = prefetch_slots  # experts read ahead at most (0: no prefetch)
+        # experts read ahead at most (0: no prefetch). A prefetch takes its room in the cache when it
+        # starts, evicting colder experts the policy ranks below it (never the ones this iteration
+        # predicts), so it needs no memory of its own: slots of their own had cost the cache more
+        # than they hid (docs/performance.md, "Prefetch into the cache")
+        self.prefetch_slots = prefetch_slots
+        self._reserved: dict[Key, int] = {}  # bytes held in the cache for each prefetch in flight
+        self._predicted: set[Key] = set()  # what this iteration's prefetches were asked for
+        self._size = resident_size
         self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
         self.prefetch_stats = PrefetchStats()
         self.held: dict[Key, ExpertWeights] = {}
@@ -302,13 +310,14 @@ class ExpertCache:
         self.resident_bytes -= self.held.pop(key).nbytes
         self._by_layer[key[0]].discard(key[1])
 
-    def _make_room(self, key: Key, size: int, protected: set[Key]) -> bool:
-        """Evict until ``key`` fits, if the policy admits it over each victim; else keep all."""
+    def _make_room(self, key: Key, size: int, protected: set[Key], coming: bool = False) -> bool:
+        """Evict until ``key`` fits, if the policy admits it over each victim; else keep all.
+        ``coming``: a prefetch, ranked with the use it is read for."""
         if self.capacity is None:
             return True
         while self.resident_bytes + size > self.capacity:
             victim = self.policy.victim(protected | self.pinned)
-            if victim is None or not self.policy.admit(key, victim):
+            if victim is None or not self.policy.admit(key, victim, coming):
                 return False
             self.policy.remove(victim)
             self._drop(victim)
@@ -383,6 +392,7 @@ class ExpertCache:
                         self.prefetch_stats.waited_seconds += max(0.0, (done[0] if done else waited) - waited)
                         self.prefetch_stats.read_seconds += (done[0] if done else time.perf_counter()) - t_issue
                     stats.bytes_read += self.store.stored_bytes(*key)
+                    self._release(key)
                     if self._make_room(key, w.nbytes, protected):
                         self._keep(key, w)
                     else:
@@ -394,7 +404,8 @@ class ExpertCache:
                 self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
                 yield group
         finally:  # a caller that stops early (an error in its compute) leaves no reads queued
-            for _, item in inflight:
+            for key, item in inflight:
+                self._release(key)
                 if hasattr(item, "cancel"):
                     item.cancel()
 
@@ -415,11 +426,15 @@ class ExpertCache:
         if submit is None or self.prefetch_slots <= 0:
             return 0
         started = 0
+        keys = list(keys)
+        self._predicted.update(keys)
         for key in keys:
             if len(self._prefetched) >= self.prefetch_slots:
                 break
             if key in self.held or key in self._prefetched:
                 continue
+            if not self._reserve(key, self._predicted):
+                continue  # the policy keeps what it holds over this guess
             future = submit(key[0], [key[1]])[0]
             done: list = []
             if hasattr(future, "add_done_callback"):
@@ -429,22 +444,36 @@ class ExpertCache:
         self.prefetch_stats.issued += started
         return started
 
+    def _reserve(self, key: Key, protected: set[Key]) -> bool:
+        """Room in the cache for a prefetch of ``key``, made now: colder experts the policy ranks
+        below it are evicted, never pinned ones or ``protected`` (this iteration's predictions)."""
+        if self.capacity is None:
+            return True
+        size = self._size(key) if self._size else self.store.stored_bytes(*key)
+        if not self._make_room(key, size, protected, coming=True):
+            return False
+        self._reserved[key] = size
+        self.resident_bytes += size
+        return True
+
+    def _release(self, key: Key) -> None:
+        self.resident_bytes -= self._reserved.pop(key, 0)
+
     def settle_prefetches(self) -> None:
-        """After the pass they were for: read ones are kept if free space holds them (nothing is
-        evicted for a guess), the rest dropped; unstarted reads are cancelled."""
+        """After the pass they were for: the ones it did not use are kept in the room they hold
+        (nothing more is evicted for a guess); unstarted reads are cancelled."""
+        self._predicted = set()
         for key, (future, _, _) in list(self._prefetched.items()):
             del self._prefetched[key]
-            if hasattr(future, "done") and not future.done():
-                self.prefetch_stats.wasted += 1
-                if not future.cancel():  # started: it finishes in the background, its buffer dropped
-                    self.prefetch_stats.wasted_bytes += self.store.stored_bytes(*key)
-                    self.stats["prefetch"].bytes_read += self.store.stored_bytes(*key)
+            self._release(key)
+            if hasattr(future, "done") and not future.done() and future.cancel():
+                self.prefetch_stats.wasted += 1  # not started: nothing was read
                 continue
+            # read or being read: waited for (a buffer dropped here would land outside the budget)
             w = future.result() if hasattr(future, "result") else future
             self.stats["prefetch"].bytes_read += self.store.stored_bytes(*key)
             if key not in self.held and (self.capacity is None or self.resident_bytes + w.nbytes <= self.capacity):
-                self.policy.access(key)
-                self._keep(key, self.place(w))
+                self._keep(key, self.place(w))  # a guess: resident, but not counted as a use
                 self.prefetch_stats.kept += 1
             else:
                 self.prefetch_stats.wasted += 1

@@ -86,7 +86,8 @@ class Workspace:
     attention: int  # scores, their exponentials and probabilities, masks
     logits: int  # the head's output, its host copy, sampling in float64
     experts: int  # kernel scratch (gate/up/down outputs) for the batch's token-expert pairs
-    streaming: int  # experts read but not kept: reads in flight, the group in compute, prefetches
+    streaming: int  # experts read but not kept: reads in flight, the group in compute (prefetches
+    # take their room in the cache: offload/cache.py)
     reference: int  # the NumPy path's decoded-rows scratch (0 on the compiled kernels)
 
     @property
@@ -95,7 +96,7 @@ class Workspace:
 
 
 def workspace(model: LoadedModel, batch: int, positions: int, window: int, largest_expert: int,
-              reference: bool, prefetch: int = 0) -> Workspace:
+              reference: bool) -> Workspace:
     c = model.config
     T, H, V = batch, c.hidden_size, c.vocab_size
     width = max(H, c.num_heads * c.head_dim, c.kv_floats_per_position // max(c.num_layers, 1))
@@ -106,7 +107,7 @@ def workspace(model: LoadedModel, batch: int, positions: int, window: int, large
         attention=3 * c.num_heads * T * positions * 4 + windows * T * positions,
         logits=2 * T * V * 4 + 2 * V * 8,
         experts=T * c.top_k * (2 * I + H) * 4 * 2 + 2 * T * c.top_k * H * 4,  # + per-choice inputs and outputs
-        streaming=(2 * window + prefetch) * largest_expert,
+        streaming=2 * window * largest_expert,
         reference=(4 << 20) + T * max(V, I, H) * 4 if reference else 0,
     )
 
@@ -149,7 +150,7 @@ class MemoryPlan:
 
 def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_budget: Budget | None = None,
                 batch: int | None = None, window: int = 4, reference_kernels: bool = False,
-                expert_bytes=None, baseline: int | None = None, direct: bool = True, prefetch: int = 0,
+                expert_bytes=None, baseline: int | None = None, direct: bool = True,
                 draft_head: int = 0) -> MemoryPlan:
     """The plan for ``budget`` (and ``expert_budget``). ``expert_bytes(refs)`` is one expert's
     resident cost where it differs from the host's (device backends hold float32); ``batch`` is
@@ -164,7 +165,7 @@ def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_bu
     stored = model.expert_stored_bytes
     dense = model.dense_bytes + draft_head
     kv = c.kv_floats_per_position * kv_positions * 4
-    work = workspace(model, max(batch or PREFILL_CHUNK, 1), kv_positions, window, largest, reference_kernels, prefetch)
+    work = workspace(model, max(batch or PREFILL_CHUNK, 1), kv_positions, window, largest, reference_kernels)
     rest = dense + kv + work.total
     baseline = interpreter_baseline() if baseline is None else baseline
 
