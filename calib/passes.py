@@ -32,8 +32,8 @@ def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spe
                           backend=backend or NUMPY, offload_tier=offload_tier, batch=batch,
                           budget_from=budget_from, draft_vocab=spec.get("draft_vocab", 0))
     # no draft-guided prefetch: reuse-aware gating routes toward experts in flight as well as resident
-    # ones, and a replay cannot put a read back in flight, so its routing would differ. The plan keeps
-    # the run's prefetch workspace (same expert capacity); T_exp is the cost on the critical path.
+    # ones, and a replay cannot put a read back in flight, so its routing would differ. The plan is
+    # the run's (same expert capacity); T_exp is the cost on the critical path.
     engine.model.experts.prefetch_slots = 0
     try:
         task = progress.add_task("decode passes (capture)", total=len(prompts)) if progress else None

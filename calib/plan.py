@@ -52,7 +52,8 @@ def run_plan(loaded, budget: str | None, ctx: int, draft_cap: int, backend, kern
     ops = select_ops(kernels, None, backend)
     return plan_memory(loaded, parsed, kv_positions(ctx, draft_cap), batch=batch(ctx, draft_cap), window=4,
                        reference_kernels=ops.name == "numpy", expert_bytes=expert_size(backend), direct=True,
-                       draft_head=draft_head_bytes(loaded, draft_vocab))
+                       draft_head=draft_head_bytes(loaded, draft_vocab),
+                       staged_prefetches=0 if parsed.full or not backend.on_device else 2 * loaded.config.top_k)
 
 
 def profile_context(data: dict, where: str) -> int:

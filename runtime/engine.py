@@ -121,7 +121,7 @@ def build_engine(
     slots = (0 if everything else 2 * loaded.config.top_k) if prefetch_slots is None else prefetch_slots
     plan = plan_memory(loaded, parsed, kv_positions, experts_only, batch=batch, window=window,
                        reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
-                       draft_head=draft_head_bytes(loaded, draft_vocab))
+                       draft_head=draft_head_bytes(loaded, draft_vocab), staged_prefetches=slots if backend.on_device else 0)
     release_freed_memory_promptly()
     if backend.on_device and hasattr(backend, "limit_memory"):  # the budget binds on the device too;
         # slack for the pool's allocation rounding and cuBLAS workspaces

@@ -198,6 +198,11 @@ def test_the_engine_caps_the_device_pool_at_its_plan(loaded):
     limit = fake.pool.get_limit()
     assert engine.plan.model_bytes < limit <= 1.05 * engine.plan.model_bytes + (32 << 20)
     assert fake.pool.total_bytes() <= limit
+    # a prefetch's room is in the device cache; its host read buffer waits for verification's upload
+    # in the host workspace, which plans the engine's prefetches beside the window of reads
+    largest = max(refs.resident_bytes_for(False) for refs in loaded.experts.values())  # as the device holds it
+    assert engine.cache.prefetch_slots > 0
+    assert engine.plan.work.streaming == (2 * 4 + engine.cache.prefetch_slots) * largest  # 2 × a window of 4
     engine.close()
     build_engine(loaded.path, None, 256, None, loaded=loaded, backend=dev).close()  # no budget: no cap
     assert fake.pool.get_limit() == 0

@@ -272,3 +272,44 @@ def test_a_prefetched_read_counts_in_the_window_and_an_early_stop_cancels_the_qu
     groups.close()  # the caller's compute failed: nothing it queued may keep a fetch thread busy
     assert store.futures[(0, 1)].cancelled() and store.futures[(0, 2)].cancelled()
     assert (0, 3) not in store.futures
+
+
+def test_a_prefetch_holds_its_room_until_its_read_lands_or_fails_and_a_running_guess_is_waited_for():
+    import threading
+
+    store = _HeldReads()
+    cache = ExpertCache(store, capacity_bytes=3 * 48, window=1, prefetch_slots=2)
+    cache.hold((0, 0), store.weights())
+    assert cache.prefetch([(0, 1), (0, 2)]) == 2 and cache.resident_bytes == 3 * 48  # room taken at the start
+    store.futures[(0, 1)].set_exception(OSError("EIO"))
+    with pytest.raises(OSError):
+        list(cache.stream(0, [1]))
+    assert cache.resident_bytes == 2 * 48 and (0, 1) not in cache._reserved  # a failed read gives its room back
+    guess = store.futures[(0, 2)]
+    assert guess.set_running_or_notify_cancel()  # being read: it cannot be cancelled
+    threading.Timer(0.05, guess.set_result, [store.weights()]).start()
+    with cache.in_phase("verify"):
+        cache.settle_prefetches()  # waits for it: dropped, its buffer would land outside the budget
+    assert cache.contains(0, 2) and cache.resident_bytes == 2 * 48 and not cache._reserved
+    assert cache.stats["verify"].fetch_seconds >= 0.04  # the wait is verification's
+    p = cache.prefetch_stats
+    assert (p.issued, p.used, p.kept) == (2, 1, 1)
+
+
+def test_a_prefetch_never_evicts_an_expert_the_draft_used_this_iteration():
+    store = _HeldReads()
+    cache = ExpertCache(store, capacity_bytes=2 * 48, prefetch_slots=2)
+    for key, uses in (((0, 0), 8), ((0, 1), 2), ((0, 2), 16)):
+        for _ in range(uses):
+            cache.policy.access(key)
+    cache.hold((0, 0), store.weights())
+    cache.hold((0, 1), store.weights())
+    with cache.in_phase("draft"):
+        list(cache.stream(0, [1]))  # the draft ran on (0, 1), the colder one
+    assert cache.prefetch([(0, 2)]) == 1
+    assert cache.contains(0, 1) and not cache.contains(0, 0)  # the victim is the one the draft did not use
+    store.futures[(0, 2)].set_result(store.weights())
+    cache.settle_prefetches()
+    for _ in range(2):
+        cache.policy.access((0, 3))
+    assert cache.prefetch([(0, 3)]) == 1 and not cache.contains(0, 1)  # protection ends with the iteration

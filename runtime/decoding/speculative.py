@@ -324,9 +324,10 @@ class SpeculativeDecoder:
                                              positions=positions if tree is not None else None, tree_mask=tree)
         took = time.perf_counter() - tv
         settle = getattr(self.cache, "settle_prefetches", None)
-        if settle:
-            settle()
-        self.metrics.verify_seconds += took
+        if settle:  # waits for wrong guesses still being read: verification's time, not its passes'
+            with phase_of(self.model, "verify"):
+                settle()
+        self.metrics.verify_seconds += time.perf_counter() - tv
         if before is not None:
             missing, resident = v.misses - before[0], v.hits - before[1]
             # experts a prefetch was reading count as misses in the cache's stats

@@ -61,7 +61,7 @@ class PrefetchStats:
 
     issued: int = 0
     used: int = 0  # served a verification miss (no read on the critical path, or a shorter one)
-    kept: int = 0  # not used, admitted into free space (nothing evicted for it)
+    kept: int = 0  # not used, kept in the room it took in the cache
     wasted: int = 0  # not used, dropped
     wasted_bytes: int = 0
     read_seconds: float = 0.0  # of the prefetches used: issue to completion
@@ -203,10 +203,10 @@ class ExpertCache:
         # experts read ahead at most (0: no prefetch). A prefetch takes its room in the cache when it
         # starts, evicting colder experts the policy ranks below it (never the ones this iteration
         # predicts), so it needs no memory of its own: slots of their own had cost the cache more
-        # than they hid (docs/performance.md, "Prefetch into the cache")
+        # than they hid (docs/performance.md, "Prefetch into the cache, one plan for every method")
         self.prefetch_slots = prefetch_slots
         self._reserved: dict[Key, int] = {}  # bytes held in the cache for each prefetch in flight
-        self._predicted: set[Key] = set()  # what this iteration's prefetches were asked for
+        self._predicted: set[Key] = set()  # this iteration's predictions and draft experts: not evicted for a prefetch
         self._size = resident_size
         self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
         self.prefetch_stats = PrefetchStats()
@@ -311,8 +311,9 @@ class ExpertCache:
         self._by_layer[key[0]].discard(key[1])
 
     def _make_room(self, key: Key, size: int, protected: set[Key], coming: bool = False) -> bool:
-        """Evict until ``key`` fits, if the policy admits it over each victim; else keep all.
-        ``coming``: a prefetch, ranked with the use it is read for."""
+        """Evict until ``key`` fits, if the policy admits it over each victim; False at the first
+        victim it does not (victims already evicted stay evicted: with experts of one size there are
+        none). ``coming``: a prefetch, ranked with the use it is read for."""
         if self.capacity is None:
             return True
         while self.resident_bytes + size > self.capacity:
@@ -335,6 +336,8 @@ class ExpertCache:
         cache's) in flight."""
         stats = self.stats[self.phase]
         keys = [(layer, int(e)) for e in experts]
+        if self.phase == "draft" and self.prefetch_slots:  # the draft's next tokens route among these
+            self._predicted.update(keys)
         if self._pass_keys is not None:
             if self.trace:
                 self.trace[-1][2].extend(k for k in dict.fromkeys(keys) if k not in self._pass_keys)
@@ -385,6 +388,7 @@ class ExpertCache:
                 group = []
                 while inflight and (not group or _done(inflight[0][1])):  # the next, and any others already read
                     key, item = inflight.popleft()
+                    self._release(key)  # a prefetch's room: the read below takes it (or fails)
                     waited = time.perf_counter()
                     w = self.place(item.result() if hasattr(item, "result") else item)
                     if key in issued:  # a prefetch: how much of its read the pass did not wait for
@@ -392,7 +396,6 @@ class ExpertCache:
                         self.prefetch_stats.waited_seconds += max(0.0, (done[0] if done else waited) - waited)
                         self.prefetch_stats.read_seconds += (done[0] if done else time.perf_counter()) - t_issue
                     stats.bytes_read += self.store.stored_bytes(*key)
-                    self._release(key)
                     if self._make_room(key, w.nbytes, protected):
                         self._keep(key, w)
                     else:
@@ -435,7 +438,11 @@ class ExpertCache:
                 continue
             if not self._reserve(key, self._predicted):
                 continue  # the policy keeps what it holds over this guess
-            future = submit(key[0], [key[1]])[0]
+            try:
+                future = submit(key[0], [key[1]])[0]
+            except BaseException:
+                self._release(key)
+                raise
             done: list = []
             if hasattr(future, "add_done_callback"):
                 future.add_done_callback(lambda _f, done=done: done.append(time.perf_counter()))
@@ -446,7 +453,8 @@ class ExpertCache:
 
     def _reserve(self, key: Key, protected: set[Key]) -> bool:
         """Room in the cache for a prefetch of ``key``, made now: colder experts the policy ranks
-        below it are evicted, never pinned ones or ``protected`` (this iteration's predictions)."""
+        below it are evicted, never pinned ones or ``protected`` (this iteration's predictions and
+        the experts its draft passes used)."""
         if self.capacity is None:
             return True
         size = self._size(key) if self._size else self.store.stored_bytes(*key)
@@ -461,7 +469,9 @@ class ExpertCache:
 
     def settle_prefetches(self) -> None:
         """After the pass they were for: the ones it did not use are kept in the room they hold
-        (nothing more is evicted for a guess); unstarted reads are cancelled."""
+        (nothing more is evicted for a guess); unstarted reads are cancelled. Reads still running
+        are waited for (a buffer dropped here would land outside the budget), in the current
+        phase's fetch time; a guess whose read failed is dropped (a pass that needs it reads again)."""
         self._predicted = set()
         for key, (future, _, _) in list(self._prefetched.items()):
             del self._prefetched[key]
@@ -469,8 +479,14 @@ class ExpertCache:
             if hasattr(future, "done") and not future.done() and future.cancel():
                 self.prefetch_stats.wasted += 1  # not started: nothing was read
                 continue
-            # read or being read: waited for (a buffer dropped here would land outside the budget)
-            w = future.result() if hasattr(future, "result") else future
+            t0 = time.perf_counter()
+            try:
+                w = future.result() if hasattr(future, "result") else future
+            except Exception:
+                self.prefetch_stats.wasted += 1
+                continue
+            finally:
+                self.stats[self.phase].fetch_seconds += time.perf_counter() - t0
             self.stats["prefetch"].bytes_read += self.store.stored_bytes(*key)
             if key not in self.held and (self.capacity is None or self.resident_bytes + w.nbytes <= self.capacity):
                 self._keep(key, self.place(w))  # a guess: resident, but not counted as a use

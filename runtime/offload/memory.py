@@ -86,8 +86,9 @@ class Workspace:
     attention: int  # scores, their exponentials and probabilities, masks
     logits: int  # the head's output, its host copy, sampling in float64
     experts: int  # kernel scratch (gate/up/down outputs) for the batch's token-expert pairs
-    streaming: int  # experts read but not kept: reads in flight, the group in compute (prefetches
-    # take their room in the cache: offload/cache.py)
+    streaming: int  # experts read but not kept: reads in flight, the group in compute, and on a
+    # device backend prefetches waiting on the host for their upload (on the host a prefetch reads
+    # into the room it takes in the cache: offload/cache.py)
     reference: int  # the NumPy path's decoded-rows scratch (0 on the compiled kernels)
 
     @property
@@ -96,7 +97,7 @@ class Workspace:
 
 
 def workspace(model: LoadedModel, batch: int, positions: int, window: int, largest_expert: int,
-              reference: bool) -> Workspace:
+              reference: bool, staged: int = 0) -> Workspace:
     c = model.config
     T, H, V = batch, c.hidden_size, c.vocab_size
     width = max(H, c.num_heads * c.head_dim, c.kv_floats_per_position // max(c.num_layers, 1))
@@ -107,7 +108,7 @@ def workspace(model: LoadedModel, batch: int, positions: int, window: int, large
         attention=3 * c.num_heads * T * positions * 4 + windows * T * positions,
         logits=2 * T * V * 4 + 2 * V * 8,
         experts=T * c.top_k * (2 * I + H) * 4 * 2 + 2 * T * c.top_k * H * 4,  # + per-choice inputs and outputs
-        streaming=2 * window * largest_expert,
+        streaming=(2 * window + staged) * largest_expert,
         reference=(4 << 20) + T * max(V, I, H) * 4 if reference else 0,
     )
 
@@ -150,12 +151,13 @@ class MemoryPlan:
 
 def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_budget: Budget | None = None,
                 batch: int | None = None, window: int = 4, reference_kernels: bool = False,
-                expert_bytes=None, baseline: int | None = None, direct: bool = True,
+                expert_bytes=None, baseline: int | None = None, direct: bool = True, staged_prefetches: int = 0,
                 draft_head: int = 0) -> MemoryPlan:
     """The plan for ``budget`` (and ``expert_budget``). ``expert_bytes(refs)`` is one expert's
     resident cost where it differs from the host's (device backends hold float32); ``batch`` is
     the most tokens one pass runs (prompt chunks, verification batches); ``draft_head`` the bytes of
-    a FR-Spec draft head's copied rows, held beside the dense part."""
+    a FR-Spec draft head's copied rows, held beside the dense part; ``staged_prefetches`` the
+    prefetches a device backend holds in host buffers until verification uploads them."""
     from ..model.forward import PREFILL_CHUNK
 
     c = model.config
@@ -165,7 +167,8 @@ def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_bu
     stored = model.expert_stored_bytes
     dense = model.dense_bytes + draft_head
     kv = c.kv_floats_per_position * kv_positions * 4
-    work = workspace(model, max(batch or PREFILL_CHUNK, 1), kv_positions, window, largest, reference_kernels)
+    work = workspace(model, max(batch or PREFILL_CHUNK, 1), kv_positions, window, largest, reference_kernels,
+                     staged_prefetches)
     rest = dense + kv + work.total
     baseline = interpreter_baseline() if baseline is None else baseline
 
