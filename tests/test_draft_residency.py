@@ -136,5 +136,6 @@ def test_a_prefetch_into_the_cache_evicts_colder_experts_never_predicted_or_pinn
     assert set(new) <= set(cache.held) and not cache._reserved and cache.resident_bytes <= cache.capacity
     cold = [(L, e) for L, e in fill if (L, e) not in cache.held][-1]  # never used: every resident ranks above it
     assert cache.prefetch([cold]) == 0 and not cache._reserved  # no room is made for a colder guess
+    assert cache.prefetch_stats.refused == 1 and cache.report()["prefetch"]["refused"] == 1
     assert set(cache.held) == full - evicted | set(new)
     engine.close()

@@ -64,12 +64,13 @@ class PrefetchStats:
     kept: int = 0  # not used, kept in the room it took in the cache
     wasted: int = 0  # not used, dropped
     wasted_bytes: int = 0
+    refused: int = 0  # not started: the policy ranks every expert it would evict above the guess
     read_seconds: float = 0.0  # of the prefetches used: issue to completion
     waited_seconds: float = 0.0  # of those, what a pass still waited
 
     def to_dict(self) -> dict:
         return {"issued": self.issued, "used": self.used, "kept": self.kept, "wasted": self.wasted,
-                "wasted_bytes": self.wasted_bytes, "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
+                "wasted_bytes": self.wasted_bytes, "refused": self.refused, "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
                 "waited_seconds": round(self.waited_seconds, 6)}
 
 
@@ -437,7 +438,8 @@ class ExpertCache:
             if key in self.held or key in self._prefetched:
                 continue
             if not self._reserve(key, self._predicted):
-                continue  # the policy keeps what it holds over this guess
+                self.prefetch_stats.refused += 1  # the policy keeps what it holds over this guess
+                continue
             try:
                 future = submit(key[0], [key[1]])[0]
             except BaseException:
