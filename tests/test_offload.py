@@ -313,3 +313,29 @@ def test_a_prefetch_never_evicts_an_expert_the_draft_used_this_iteration():
     for _ in range(2):
         cache.policy.access((0, 3))
     assert cache.prefetch([(0, 3)]) == 1 and not cache.contains(0, 1)  # protection ends with the iteration
+
+
+def test_guesses_the_cache_has_no_room_for_wait_in_the_streaming_workspace_and_shrink_the_next_window():
+    store = _HeldReads()
+    cache = ExpertCache(store, capacity_bytes=2 * 48, window=4, prefetch_slots=8)
+    for key in ((0, 0), (2, 0)):  # ranked above any guess: never evicted for one
+        for _ in range(9):
+            cache.policy.access(key)
+        cache.hold(key, store.weights())
+    assert cache.prefetch([(1, 1), (1, 2)]) == 2 and len(cache.held) == 2 and not cache._reserved
+    assert cache.prefetch_stats.borrowed == 2 and cache.resident_bytes == 2 * 48
+    groups = cache.stream(0, [0, 1, 2, 3, 4])  # another layer: its own window gives up half of the 2 guesses
+    assert [e for e, _ in next(groups)] == [0]  # the resident one, with the first reads queued
+    assert store.submitted[2:] == [(0, 1), (0, 2), (0, 3)]
+    groups.close()
+    for f in store.futures.values():
+        if not f.done():
+            f.set_result(store.weights())
+    assert sorted(e for group in cache.stream(1, [1, 2]) for e, _ in group) == [1, 2]  # the guesses, used
+    assert not cache._borrowed and cache.prefetch_stats.used == 2
+    groups = cache.stream(0, [0, 5, 6, 7, 8, 9])  # none held: the whole window again
+    assert [e for e, _ in next(groups)] == [0]
+    assert store.submitted[-4:] == [(0, 5), (0, 6), (0, 7), (0, 8)]
+    groups.close()
+    cache.staging = 0
+    assert cache.prefetch([(1, 3)]) == 0 and cache.prefetch_stats.refused == 1  # no workspace to borrow

@@ -596,4 +596,10 @@ FOUND += [
     Mutation("device-prefetch-staging-unplanned", "runtime/engine.py",
              "staged_prefetches=slots if backend.on_device else 0)", "staged_prefetches=0)",
              ["tests/test_gpu_standin.py", "-k", "caps_the_device"], "a device backend's prefetch host buffers are outside the plan"),
+    Mutation("borrowed-guesses-keep-full-window", "runtime/offload/cache.py",
+             "            window = max(1, window - (len(self._borrowed) + 1) // 2)", "            window = window",
+             ["tests/test_offload.py", "-k", "streaming_workspace"], "a pass streams a full window beside guesses held in the workspace: past the plan"),
+    Mutation("borrowing-unbounded", "runtime/offload/cache.py",
+             "            if borrow and len(self._borrowed) >= self.staging:", "            if False:",
+             ["tests/test_draft_residency.py", "-k", "into_the_cache"], "guesses borrow more than the streaming workspace holds"),
 ]

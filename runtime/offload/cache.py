@@ -64,13 +64,14 @@ class PrefetchStats:
     kept: int = 0  # not used, kept in the room it took in the cache
     wasted: int = 0  # not used, dropped
     wasted_bytes: int = 0
-    refused: int = 0  # not started: the policy ranks every expert it would evict above the guess
+    refused: int = 0  # not started: no room in the cache (see borrowed) and no idle read buffer
+    borrowed: int = 0  # of those issued: read into the idle streaming workspace, the cache having no room
     read_seconds: float = 0.0  # of the prefetches used: issue to completion
     waited_seconds: float = 0.0  # of those, what a pass still waited
 
     def to_dict(self) -> dict:
         return {"issued": self.issued, "used": self.used, "kept": self.kept, "wasted": self.wasted,
-                "wasted_bytes": self.wasted_bytes, "refused": self.refused, "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
+                "wasted_bytes": self.wasted_bytes, "refused": self.refused, "borrowed": self.borrowed, "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
                 "waited_seconds": round(self.waited_seconds, 6)}
 
 
@@ -207,6 +208,12 @@ class ExpertCache:
         # than they hid (docs/performance.md, "Prefetch into the cache, one plan for every method")
         self.prefetch_slots = prefetch_slots
         self._reserved: dict[Key, int] = {}  # bytes held in the cache for each prefetch in flight
+        # a guess the cache has no room for (the policy ranks what it would evict above it) is read
+        # into the streaming workspace instead, which sits idle while a resident-only draft runs;
+        # at most a window of them, and a pass streams with a window shrunk by half of those held,
+        # so its reads plus theirs stay within the plan's 2 × window of experts
+        self.staging = self.window
+        self._borrowed: set[Key] = set()
         self._predicted: set[Key] = set()  # this iteration's predictions and draft experts: not evicted for a prefetch
         self._size = resident_size
         self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
@@ -361,6 +368,9 @@ class ExpertCache:
                 yield hits
             return
         window = window or self.window
+        if self._borrowed:  # guesses held in the streaming workspace: this pass gets the rest of it
+            window = max(1, window - (len(self._borrowed) + 1) // 2)
+            self._borrowed.difference_update(missing)  # this layer's are used now, in its group
         submit = getattr(self.store, "submit", None)
         protected = set(keys)
         # experts a draft prefetched are in flight or read already: they go first, outside the window
@@ -437,14 +447,18 @@ class ExpertCache:
                 break
             if key in self.held or key in self._prefetched:
                 continue
-            if not self._reserve(key, self._predicted):
-                self.prefetch_stats.refused += 1  # the policy keeps what it holds over this guess
+            borrow = not self._reserve(key, self._predicted)  # the policy keeps what it holds over this guess
+            if borrow and len(self._borrowed) >= self.staging:
+                self.prefetch_stats.refused += 1
                 continue
             try:
                 future = submit(key[0], [key[1]])[0]
             except BaseException:
                 self._release(key)
                 raise
+            if borrow:
+                self._borrowed.add(key)
+                self.prefetch_stats.borrowed += 1
             done: list = []
             if hasattr(future, "add_done_callback"):
                 future.add_done_callback(lambda _f, done=done: done.append(time.perf_counter()))
@@ -478,6 +492,7 @@ class ExpertCache:
         for key, (future, _, _) in list(self._prefetched.items()):
             del self._prefetched[key]
             self._release(key)
+            self._borrowed.discard(key)
             if hasattr(future, "done") and not future.done() and future.cancel():
                 self.prefetch_stats.wasted += 1  # not started: nothing was read
                 continue
