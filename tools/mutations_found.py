@@ -268,8 +268,8 @@ FOUND: list[Mutation] = [
              T_GGUF, 'a quantized tensor whose rows do not fill blocks accepted when its total count does'),
     # -- reads that overlap compute ----------------------------------------------------------------------
     Mutation("reads-queued-after-resident-compute", CACHE,
-             "        fill()\n        stats.fetch_seconds += time.perf_counter() - t0  # (without",
-             "        stats.fetch_seconds += time.perf_counter() - t0  # (without",
+             "            fill()  # (inside: a submit that fails still cancels the prefetches taken over above)\n",
+             "",
              ["tests/test_offload.py", "-k", "queued"], "a layer's reads start only after its resident experts are computed"),
     # -- the coupled sampler (issue 13's stress: a seed gave two texts) --
     Mutation("coupled-accepts-every-draft", SPEC, "                if pick != token:\n",
@@ -574,7 +574,7 @@ FOUND += [
              "        self._reserved[key] = 0\n",
              ["tests/test_draft_residency.py", "-k", "into_the_cache"], "a prefetch in flight holds no room: the cache overfills when it lands"),
     Mutation("prefetch-evicts-predicted", "runtime/offload/cache.py",
-             "            if not self._reserve(key, self._predicted):", "            if not self._reserve(key, set()):",
+             "            borrow = not self._reserve(key, self._predicted)", "            borrow = not self._reserve(key, set())",
              ["tests/test_draft_residency.py", "-k", "into_the_cache"], "a prefetch evicts an expert the same iteration predicted"),
     Mutation("prefetch-ranked-without-its-use", "runtime/offload/cache.py",
              "        return self._score(key) + coming > self._score(victim)", "        return self._score(key) > self._score(victim)",

@@ -410,6 +410,9 @@ class SpeculativeDecoder:
                     return True
             return False
 
+        settle = getattr(self.cache, "settle_prefetches", None)
+        if settle:  # guesses a failed earlier call left in flight would shrink this prefill's reads
+            settle()
         t0 = time.perf_counter()
         with phase_of(self.model, "prefill"):
             logits, _ = self.model.forward(prompt, kv, logits="last", record=False)

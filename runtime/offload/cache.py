@@ -61,7 +61,7 @@ class PrefetchStats:
 
     issued: int = 0
     used: int = 0  # served a verification miss (no read on the critical path, or a shorter one)
-    kept: int = 0  # not used, kept in the room it took in the cache
+    kept: int = 0  # not used, kept in the cache (in the room it took, or free room for a borrowed one)
     wasted: int = 0  # not used, dropped
     wasted_bytes: int = 0
     refused: int = 0  # not started: no room in the cache (see borrowed) and no idle read buffer
@@ -387,10 +387,10 @@ class ExpertCache:
 
         # the first reads start before the caller computes the resident experts, so the two overlap
         # (hits first, then reads, had cost AR 1.2-1.3x on the widened model: docs/performance.md)
-        t0 = time.perf_counter()
-        fill()
-        stats.fetch_seconds += time.perf_counter() - t0  # (without fetch threads: the reads themselves)
         try:
+            t0 = time.perf_counter()
+            fill()  # (inside: a submit that fails still cancels the prefetches taken over above)
+            stats.fetch_seconds += time.perf_counter() - t0  # (without fetch threads: the reads themselves)
             if hits:
                 yield hits
             while pending or inflight:
@@ -457,12 +457,13 @@ class ExpertCache:
                 self._release(key)
                 raise
             if borrow:
-                self._borrowed.add(key)
                 self.prefetch_stats.borrowed += 1
             done: list = []
             if hasattr(future, "add_done_callback"):
                 future.add_done_callback(lambda _f, done=done: done.append(time.perf_counter()))
             self._prefetched[key] = (future, time.perf_counter(), done)
+            if borrow:
+                self._borrowed.add(key)
             started += 1
         self.prefetch_stats.issued += started
         return started

@@ -87,8 +87,9 @@ class Workspace:
     logits: int  # the head's output, its host copy, sampling in float64
     experts: int  # kernel scratch (gate/up/down outputs) for the batch's token-expert pairs
     streaming: int  # experts read but not kept: reads in flight, the group in compute, and on a
-    # device backend prefetches waiting on the host for their upload (on the host a prefetch reads
-    # into the room it takes in the cache: offload/cache.py)
+    # device backend prefetches waiting on the host for their upload. On the host a prefetch reads
+    # into the room it takes in the cache, or, with none, into this workspace while no pass streams
+    # (offload/cache.py)
     reference: int  # the NumPy path's decoded-rows scratch (0 on the compiled kernels)
 
     @property
