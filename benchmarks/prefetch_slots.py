@@ -87,7 +87,8 @@ def summary(records) -> None:
         x = [r.extra for r in rs]
         ups = [e["speedup_vs_ar"] for e in x if e.get("speedup_vs_ar") is not None and name != "ar"]
         up = f"**{med(ups):.2f}×** ({', '.join(f'{u:.2f}' for u in ups)})" if ups else "-"
-        print(f"| {budget} | {rs[0].params.get('emulation') or 'disk'} | {workload} | {name} | {n} | {med(e['decode_tokens_per_s_aggregate'] for e in x):.1f} | "
+        tier = rs[0].params.get("emulation") or "disk"
+        print(f"| {budget} | {tier} | {workload} | {name} | {n} | {med(e['decode_tokens_per_s_aggregate'] for e in x):.1f} | "
               f"{up} | {med(e['bytes_fetched_per_token'] for e in x) / 1e6:.1f} | "
               f"{med(e['ms_per_token']['fetch_critical'] for e in x):.1f} | "
               f"{med(e['acceptance_length'] for e in x):.2f} |")

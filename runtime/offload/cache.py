@@ -71,7 +71,8 @@ class PrefetchStats:
 
     def to_dict(self) -> dict:
         return {"issued": self.issued, "used": self.used, "kept": self.kept, "wasted": self.wasted,
-                "wasted_bytes": self.wasted_bytes, "refused": self.refused, "borrowed": self.borrowed, "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
+                "wasted_bytes": self.wasted_bytes, "refused": self.refused, "borrowed": self.borrowed,
+                "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
                 "waited_seconds": round(self.waited_seconds, 6)}
 
 
