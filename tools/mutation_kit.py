@@ -1,7 +1,8 @@
 """What a mutation is, and the names the mutation lists share (test selections, target files).
 
 The lists themselves: `mutations.py` (the issue's own bugs and the first sets by area) and
-`mutations_found.py` (the sets later read-only reviews, audits and stress runs found).
+`mutations_found.py` (the sets later read-only reviews, audits and stress runs found) and
+`mutations_prefetch.py` (draft-guided prefetch into the cache and the streaming workspace).
 """
 
 from __future__ import annotations

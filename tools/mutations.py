@@ -2,7 +2,8 @@
 
 Add one for each bug a new test is meant to catch; `original` must occur exactly once in `file`.
 This file holds the issue's own bugs and the first sets, by area; `mutations_found.py` the sets that
-later reviews, audits and stress runs found. What a mutation is: `mutation_kit.py`.
+later reviews, audits and stress runs found; `mutations_prefetch.py` those of draft-guided prefetch.
+What a mutation is: `mutation_kit.py`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from mutation_kit import (Mutation, T_SAMPLED, T_LAW, T_GREEDY, T_KV, T_RG, T_SAMPLING, T_POLICY, T_ST,
                           T_GGUF, T_PROFILE, T_EXPORT, T_ADMIT, T_INDEX, SPEC, ST, GGUF, CACHE, SPEC_OPTIONS)
 from mutations_found import FOUND
+from mutations_prefetch import PREFETCH
 
 CORE: list[Mutation] = [
     # -- the ten bugs of issue 13 -------------------------------------------------------------------
@@ -296,4 +298,4 @@ CORE: list[Mutation] = [
              "AR (as bench runs it) builds a draft head its memory plan has no room for"),
 ]
 
-MUTATIONS: list[Mutation] = CORE + FOUND
+MUTATIONS: list[Mutation] = CORE + FOUND + PREFETCH
