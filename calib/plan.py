@@ -44,7 +44,7 @@ def run_plan(loaded, budget: str | None, ctx: int, draft_cap: int, backend, kern
              where: str = "--budget", draft_vocab: int = 0):
     """The `MemoryPlan` `build_engine` makes for an S²-MoE run of ``ctx`` tokens (a draft head of
     ``draft_vocab`` rows; prefetches take their room in the expert cache)."""
-    from s2moe.runtime.engine import draft_head_bytes
+    from s2moe.runtime.engine import default_prefetch_slots, draft_head_bytes
     from s2moe.runtime.kernels import select_ops
     from s2moe.runtime.offload.memory import Budget, plan_memory
 
@@ -53,7 +53,7 @@ def run_plan(loaded, budget: str | None, ctx: int, draft_cap: int, backend, kern
     return plan_memory(loaded, parsed, kv_positions(ctx, draft_cap), batch=batch(ctx, draft_cap), window=4,
                        reference_kernels=ops.name == "numpy", expert_bytes=expert_size(backend), direct=True,
                        draft_head=draft_head_bytes(loaded, draft_vocab),
-                       staged_prefetches=0 if parsed.full or not backend.on_device else 2 * loaded.config.top_k)
+                       staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if backend.on_device else 0)
 
 
 def profile_context(data: dict, where: str) -> int:

@@ -118,7 +118,7 @@ def build_engine(
         (lambda refs: refs.resident_bytes_for(direct_io))
     window = 4
     everything = parsed.full and experts_only is None
-    slots = (0 if everything else 2 * loaded.config.top_k) if prefetch_slots is None else prefetch_slots
+    slots = default_prefetch_slots(loaded.config, everything) if prefetch_slots is None else prefetch_slots
     plan = plan_memory(loaded, parsed, kv_positions, experts_only, batch=batch, window=window,
                        reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
                        draft_head=draft_head_bytes(loaded, draft_vocab), staged_prefetches=slots if backend.on_device else 0)
@@ -155,6 +155,12 @@ def build_engine(
     if preload and full:
         _preload(cache, sorted(loaded.experts))
     return Engine(loaded, MoEModel(loaded, cache, backend, ops), cache, plan, parsed, emulation)
+
+
+def default_prefetch_slots(config, everything_resident: bool) -> int:
+    """Prefetches a draft may have in flight unless told: 2 × top-k under a budget (a token's
+    experts, and the next one's), none when every expert is resident."""
+    return 0 if everything_resident else 2 * config.top_k
 
 
 def draft_head_bytes(loaded: LoadedModel, n: int) -> int:
