@@ -67,6 +67,15 @@ def time_breakdown(start: dict, end: dict, spent: dict, seconds: float, tokens: 
     return out
 
 
+def prefetch_counts(start: dict, end: dict) -> dict:
+    """The run's prefetch counters (PrefetchStats), and verification's misses they split."""
+    a, b = start["prefetch"], end["prefetch"]
+    out = {k: round(b[k] - a.get(k, 0), 6) for k in b}
+    v0, v1 = start["phases"].get("verify"), end["phases"].get("verify")
+    out["verify_misses"] = (v1["misses"] if v1 else 0) - (v0["misses"] if v0 else 0)
+    return out
+
+
 def phase_bytes(report: dict) -> int:
     return sum(p["bytes_read"] for name, p in report["phases"].items() if name not in ("load", "estimate", "prefill"))
 
@@ -141,6 +150,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                    "bytes_fetched_per_token": fetched / max(tokens, 1),
                    "decode_tokens_per_s_aggregate": throughput[name],
                    "ms_per_token": breakdown,
+                   "prefetch": prefetch_counts(start, end),
                    "cost_constants": costs.to_dict() if costs else None,
                    "live_costs": live_now,
                    # how well AE's acceptance probabilities matched what verification kept

@@ -339,3 +339,46 @@ def test_guesses_the_cache_has_no_room_for_wait_in_the_streaming_workspace_and_s
     groups.close()
     cache.staging = 0
     assert cache.prefetch([(1, 3)]) == 0 and cache.prefetch_stats.refused == 1  # no workspace to borrow
+
+
+def test_verification_reads_no_prefetch_started_are_split_by_why():
+    """PrefetchStats says why verification still read on its critical path: the guess was refused
+    (no room), predicted past the reads-in-flight cap, or never predicted."""
+    store = _HeldReads()
+    cache = ExpertCache(store, capacity_bytes=3 * 48, window=4, prefetch_slots=3)
+    cache.staging = 1
+    for key in ((0, 0), (0, 1)):  # ranked above any guess: never evicted for one
+        for _ in range(9):
+            cache.policy.access(key)
+        cache.hold(key, store.weights())
+    # (1, 1) takes the free room, (1, 2) the one workspace slot; (1, 3) and (1, 4) are refused
+    assert cache.prefetch([(1, 1), (1, 2), (1, 3), (1, 4)]) == 2
+    cache.prefetch_slots = 2  # the cap: (1, 5) is predicted and not started; (1, 3) refused again
+    assert cache.prefetch([(1, 5), (1, 3)]) == 0
+    p = cache.prefetch_stats
+    assert (p.borrowed, p.refused, p.refused_keys) == (1, 2, 2)
+    for f in store.futures.values():
+        f.set_result(store.weights())
+    real_submit = store.submit
+
+    def landed(layer, experts):  # verification's own reads complete at once
+        out = real_submit(layer, experts)
+        for f in out:
+            if not f.done():
+                f.set_result(store.weights())
+        return out
+
+    store.submit = landed
+    with cache.in_phase("verify"):
+        got = sorted(e for group in cache.stream(1, [1, 2, 3, 4, 5, 6]) for e, _ in group)
+    assert got == [1, 2, 3, 4, 5, 6]
+    assert (p.used, p.missed_refused, p.missed_capped, p.missed_unpredicted) == (2, 2, 1, 1)
+    assert cache.report()["prefetch"]["missed_unpredicted"] == 1
+    cache.settle_prefetches()
+    assert not cache.contains(1, 3)
+    with cache.in_phase("verify"):  # a new iteration: nothing predicted, nothing refused yet
+        list(cache.stream(1, [3]))
+    assert (p.missed_refused, p.missed_capped, p.missed_unpredicted) == (2, 1, 2)
+    with cache.in_phase("ar"):  # AR reads nothing ahead: its misses are not split
+        list(cache.stream(1, [8]))
+    assert p.missed_unpredicted == 2

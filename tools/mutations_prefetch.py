@@ -41,4 +41,11 @@ PREFETCH: list[Mutation] = [
     Mutation("borrowing-unbounded", "runtime/offload/cache.py",
              "            if borrow and len(self._borrowed) >= self.staging:", "            if False:",
              ["tests/test_draft_residency.py", "-k", "into_the_cache"], "guesses borrow more than the streaming workspace holds"),
+    Mutation("missed-refused-counted-as-capped", "runtime/offload/cache.py",
+             "            if key in self._refused:\n                st.missed_refused += 1\n",
+             "            if False:\n                st.missed_refused += 1\n",
+             ["tests/test_offload.py", "-k", "split_by_why"], "verification's misses of refused guesses are blamed on the cap"),
+    Mutation("refused-keys-kept-across-iterations", "runtime/offload/cache.py",
+             "        self._predicted, self._refused = set(), set()", "        self._predicted = set()",
+             ["tests/test_offload.py", "-k", "split_by_why"], "an earlier iteration's refusals are blamed for this one's misses"),
 ]

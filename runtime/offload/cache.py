@@ -65,13 +65,21 @@ class PrefetchStats:
     wasted: int = 0  # not used, dropped
     wasted_bytes: int = 0
     refused: int = 0  # not started: no room in the cache (see borrowed) and no idle read buffer
+    refused_keys: int = 0  # of those, distinct experts per iteration (a guess is refused after each draft token)
     borrowed: int = 0  # of those issued: read into the idle streaming workspace, the cache having no room
     read_seconds: float = 0.0  # of the prefetches used: issue to completion
     waited_seconds: float = 0.0  # of those, what a pass still waited
+    # verification's reads no prefetch had started, by why: the guess was refused (no room), predicted
+    # but past the reads-in-flight cap, or never predicted (another token's choice, or gating's)
+    missed_refused: int = 0
+    missed_capped: int = 0
+    missed_unpredicted: int = 0
 
     def to_dict(self) -> dict:
         return {"issued": self.issued, "used": self.used, "kept": self.kept, "wasted": self.wasted,
-                "wasted_bytes": self.wasted_bytes, "refused": self.refused, "borrowed": self.borrowed,
+                "wasted_bytes": self.wasted_bytes, "refused": self.refused, "refused_keys": self.refused_keys,
+                "borrowed": self.borrowed, "missed_refused": self.missed_refused,
+                "missed_capped": self.missed_capped, "missed_unpredicted": self.missed_unpredicted,
                 "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
                 "waited_seconds": round(self.waited_seconds, 6)}
 
@@ -216,6 +224,7 @@ class ExpertCache:
         self.staging = self.window
         self._borrowed: set[Key] = set()
         self._predicted: set[Key] = set()  # this iteration's predictions and draft experts: not evicted for a prefetch
+        self._refused: set[Key] = set()  # this iteration's guesses refused (PrefetchStats.missed_refused)
         self._size = resident_size
         self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
         self.prefetch_stats = PrefetchStats()
@@ -380,6 +389,8 @@ class ExpertCache:
         inflight = deque((key, future) for key, (future, _, _) in ahead)
         issued = {key: (t, done) for key, (_, t, done) in ahead}
         self.prefetch_stats.used += len(ahead)
+        if self.phase == "verify" and self.prefetch_slots:
+            self._classify_misses(pending)
 
         def fill() -> None:  # keep up to ``window`` reads of our own in flight
             while pending and len(inflight) < window + len(issued):
@@ -451,6 +462,9 @@ class ExpertCache:
             borrow = not self._reserve(key, self._predicted)  # the policy keeps what it holds over this guess
             if borrow and len(self._borrowed) >= self.staging:
                 self.prefetch_stats.refused += 1
+                if key not in self._refused:
+                    self._refused.add(key)
+                    self.prefetch_stats.refused_keys += 1
                 continue
             try:
                 future = submit(key[0], [key[1]])[0]
@@ -468,6 +482,17 @@ class ExpertCache:
             started += 1
         self.prefetch_stats.issued += started
         return started
+
+    def _classify_misses(self, keys) -> None:
+        """Why verification reads ``keys`` on its critical path (no prefetch started them)."""
+        st = self.prefetch_stats
+        for key in keys:
+            if key in self._refused:
+                st.missed_refused += 1
+            elif key in self._predicted:
+                st.missed_capped += 1
+            else:
+                st.missed_unpredicted += 1
 
     def _reserve(self, key: Key, protected: set[Key]) -> bool:
         """Room in the cache for a prefetch of ``key``, made now: colder experts the policy ranks
@@ -490,7 +515,7 @@ class ExpertCache:
         (nothing more is evicted for a guess); unstarted reads are cancelled. Reads still running
         are waited for (a buffer dropped here would land outside the budget), in the current
         phase's fetch time; a guess whose read failed is dropped (a pass that needs it reads again)."""
-        self._predicted = set()
+        self._predicted, self._refused = set(), set()
         for key, (future, _, _) in list(self._prefetched.items()):
             del self._prefetched[key]
             self._release(key)
