@@ -341,6 +341,38 @@ def test_guesses_the_cache_has_no_room_for_wait_in_the_streaming_workspace_and_s
     assert cache.prefetch([(1, 3)]) == 0 and cache.prefetch_stats.refused == 1  # no workspace to borrow
 
 
+def test_a_full_workspace_of_guesses_and_a_pass_stay_within_the_plans_two_windows():
+    """2 × window − 2 guesses held for other layers: a pass then streams one read at a time, so its
+    group in compute, its read in flight and the guesses never exceed the 2 × window planned."""
+    store = _HeldReads()
+    cache = ExpertCache(store, capacity_bytes=2 * 48, window=4, prefetch_slots=8)
+    for key in ((0, 0), (3, 0)):  # ranked above any guess: never evicted for one
+        for _ in range(9):
+            cache.policy.access(key)
+        cache.hold(key, store.weights())
+    guesses = [(L, e) for L in (1, 2) for e in (1, 2, 3, 4)]
+    assert cache.prefetch(guesses) == cache.staging == 6 and cache.prefetch_stats.refused == 2
+    for f in store.futures.values():
+        f.set_result(store.weights())
+    own, seen, alive = [], [], []
+    real_submit = store.submit
+
+    def submit(layer, experts):  # the buffers alive once this read starts
+        out = real_submit(layer, experts)
+        own.extend(experts)
+        alive.append(6 + len(own) - len(seen) + len(held_group))
+        for f in out:
+            f.set_result(store.weights())
+        return out
+
+    store.submit = submit
+    held_group: list = []
+    for group in cache.stream(0, [0, 5, 6, 7, 8, 9, 10]):
+        held_group = [e for e, _ in group if e != 0]  # the caller holds it until the next one comes
+        seen.extend(held_group)
+    assert sorted(seen) == [5, 6, 7, 8, 9, 10] and max(alive) <= 2 * cache.window
+
+
 def test_verification_reads_no_prefetch_started_are_split_by_why():
     """PrefetchStats says why verification still read on its critical path: the guess was refused
     (no room), predicted past the reads-in-flight cap, or never predicted."""

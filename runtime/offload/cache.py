@@ -218,10 +218,11 @@ class ExpertCache:
         self.prefetch_slots = prefetch_slots
         self._reserved: dict[Key, int] = {}  # bytes held in the cache for each prefetch in flight
         # a guess the cache has no room for (the policy ranks what it would evict above it) is read
-        # into the streaming workspace instead, which sits idle while a resident-only draft runs;
-        # at most a window of them, and a pass streams with a window shrunk by half of those held,
-        # so its reads plus theirs stay within the plan's 2 × window of experts
-        self.staging = self.window
+        # into the streaming workspace instead, which sits idle while a resident-only draft runs.
+        # A pass streams with a window shrunk by half of the guesses held (at least 1), so its reads
+        # (2 × its window: a group in compute, the next in flight) plus theirs stay within the plan's
+        # 2 × window of experts: that holds for up to 2 × window − 2 guesses
+        self.staging = 2 * self.window - 2
         self._borrowed: set[Key] = set()
         self._predicted: set[Key] = set()  # this iteration's predictions and draft experts: not evicted for a prefetch
         self._refused: set[Key] = set()  # this iteration's guesses refused (PrefetchStats.missed_refused)
