@@ -115,6 +115,7 @@ def main() -> None:
                 extra={"acceptance_length": [r["extra"].get("acceptance_length") for r in recs],
                        "mb_fetched_per_token": [r["extra"].get("bytes_fetched_per_token", 0) / 1e6 for r in recs],
                        "ms_per_token": [r["extra"].get("ms_per_token") for r in recs],
+                       "prefetch": [r["extra"].get("prefetch") for r in recs],
                        "constants_at_end": [r["extra"].get("live_costs") or r["extra"].get("cost_constants")
                                             for r in recs],
                        f"{b}_over_{a}": ratios if name == b else None}))

@@ -50,7 +50,9 @@ def measure(model_dir: str, budget: str, variant: str, options: dict, windows: l
     c = model.config
     draft = RoutingPolicy(top_k=draft_topk)
     kl, rms, agree, nll_t, nll_g = [], [], [], [], []
+    per_window = []  # (Σ NLL gated − target, positions, top-1 agreements): windows are the independent units
     for ids in windows:
+        mark = (len(nll_t), len(agree))
         kv = model.new_cache(len(ids) + batch + 1)
         model.forward(ids[:32], kv, logits="last", record=False)
         kv.commit(32)
@@ -77,10 +79,28 @@ def measure(model_dir: str, budget: str, variant: str, options: dict, windows: l
             rows = np.arange(len(nxt))
             nll_t.extend(-lt[rows, nxt])
             nll_g.extend(-lg[rows, nxt])
+        n0, a0 = mark
+        per_window.append((float(np.sum(nll_g[n0:]) - np.sum(nll_t[n0:])), len(nll_t) - n0, int(np.sum(agree[a0:]))))
     engine.close()
+    lo, hi = bootstrap(per_window)
     return {"mean_kl": float(np.mean(kl)), "rms_dp": float(np.mean(rms)), "top1_agreement": float(np.mean(agree)),
             "ppl_ratio": float(math.exp(np.mean(nll_g) - np.mean(nll_t))), "positions": len(kl),
-            "ppl_target": float(math.exp(np.mean(nll_t)))}
+            "ppl_target": float(math.exp(np.mean(nll_t))), "ppl_ratio_ci95": [lo[0], hi[0]],
+            "top1_agreement_ci95": [lo[1], hi[1]]}
+
+
+def bootstrap(per_window: list[tuple[float, int, int]], draws: int = 2000, seed: int = 0):
+    """95 % intervals of the PPL ratio and top-1 agreement, resampling whole windows (positions
+    within a window share their context, so they are not independent)."""
+    d = np.array(per_window, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(d), (draws, len(d)))
+    n = d[pick, 1].sum(1)
+    ppl = np.exp(d[pick, 0].sum(1) / n)
+    top1 = d[pick, 2].sum(1) / n
+    q = lambda a: (float(np.quantile(a, 0.025)), float(np.quantile(a, 0.975)))  # noqa: E731
+    (p_lo, p_hi), (t_lo, t_hi) = q(ppl), q(top1)
+    return (p_lo, t_lo), (p_hi, t_hi)
 
 
 def main() -> None:
@@ -93,8 +113,14 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--batch", type=int, default=5, help="verification batch (root + drafts)")
     ap.add_argument("--draft-topk", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(name for name, _ in VARIANTS),
+                    help="comma-separated names from: " + ", ".join(name for name, _ in VARIANTS))
     ap.add_argument("--out", default="docs/results/quality")
     args = ap.parse_args()
+    chosen = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in chosen if v not in dict(VARIANTS)]
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)}")
 
     from evaluate_model import stream
     from s2moe.runtime.model.loader import load_model
@@ -107,11 +133,12 @@ def main() -> None:
     starts = np.linspace(0, len(heldout) - args.window - 2, args.windows).astype(int)
     windows = [heldout[s:s + args.window + 1].astype(np.int64) for s in starts]
     records = []
-    for name, options in VARIANTS:
+    for name, options in [(v, dict(VARIANTS)[v]) for v in chosen]:
         q = measure(args.model, args.budget, name, options, windows, args.batch, args.draft_topk)
         print(f"{name}: {q}", file=sys.stderr)
         records.append(Record("quality", name, "ppl_ratio", [q["ppl_ratio"]],
                               params={"model": os.path.basename(args.model.rstrip("/")), "budget": args.budget,
+                                      "draft_topk": args.draft_topk,
                                       "batch": args.batch, "windows": args.windows, "window": args.window},
                               extra=q))
     write_outputs(records, machine_info(), args.out, "reuse-aware gating vs the unmodified target (held-out text)")

@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded model); "
                     "tools/widen_model.py makes the cost-realistic one")
     ap.add_argument("--no-live-costs", action="store_true", help="keep the start-up (or profile) constants fixed")
-    ap.add_argument("--rg-variant", default="paper", help="reuse-aware gating variant: paper, code or resident")
+    ap.add_argument("--rg-variant", default=None, help="reuse-aware gating variant: resident (default), paper or code")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the whole sweep")
     ap.add_argument("--out", default="docs/results/speculative")
     args = ap.parse_args()
@@ -60,7 +60,9 @@ def main() -> None:
     loaded = load_model(args.model or str(DEFAULT_MODEL))
     tok = load_tokenizer(loaded)
     prof = load_profile(args.profile) if args.profile else None
-    settings = make_settings(loaded.config, None, None, None, None, args.rg_variant, prof)
+    from s2moe.runtime.decoding.methods import SpecSettings
+
+    settings = make_settings(loaded.config, None, None, None, None, args.rg_variant or SpecSettings.rg_variant, prof)
     methods = args.methods.split(",")
     records: list[Record] = []
     for rep in range(args.reps):

@@ -178,3 +178,23 @@ def test_verification_gating_weighs_each_token_by_its_draft_confidence(monkeypat
     assert seen and all(len(w) == 4 for w in seen)
     for w in seen:
         np.testing.assert_allclose(w, [1.0, 0.8, 0.8, 0.8], rtol=1e-9)
+
+
+def test_the_default_gating_is_resident_and_without_a_budget_it_is_the_papers():
+    """The default variant favours what the fast tier holds (ρ = 0.25, the setting whose quality
+    docs/performance.md measures). With every expert resident there is no tier to favour: the
+    output is the paper variant's, token for token; under a budget it differs."""
+    from s2moe.runtime.cli.common import DEFAULT_MODEL
+    from s2moe.runtime.engine import build_engine
+
+    assert (SpecSettings().rg_variant, SpecSettings().rg_residency) == ("resident", 0.25)
+    ids = [int(t) for t in np.random.default_rng(3).integers(10, 6000, 12)]
+    costs = CostConstants(t_ar=0.01, c_draft=0.001, t_exp_miss=0.0005, t_exp_hit=0.0001)
+    out = {}
+    for budget in (None, "0.1"):
+        for name, settings in (("default", SpecSettings(draft_cap=4)), ("paper", SpecSettings(draft_cap=4, rg_variant="paper"))):
+            engine = build_engine(str(DEFAULT_MODEL), budget, 256)
+            out[budget, name] = SpeculativeDecoder(engine.model, get_method("s2moe"), settings, costs).generate(ids, 40).tokens
+            engine.close()
+    assert out[None, "default"] == out[None, "paper"]
+    assert out["0.1", "default"] != out["0.1", "paper"]
