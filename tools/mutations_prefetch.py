@@ -48,7 +48,7 @@ PREFETCH: list[Mutation] = [
     Mutation("refused-keys-kept-across-iterations", "runtime/offload/cache.py",
              "        self._predicted, self._refused = set(), set()", "        self._predicted = set()",
              ["tests/test_offload.py", "-k", "split_by_why"], "an earlier iteration's refusals are blamed for this one's misses"),
-    Mutation("guesses-fill-the-whole-workspace", "runtime/offload/cache.py",
-             "        self.staging = 2 * self.window - 2", "        self.staging = 2 * self.window",
-             ["tests/test_offload.py", "-k", "full_workspace"], "guesses fill the workspace: a pass's one read plus its group go past the plan"),
+    Mutation("a-window-of-one-lends-its-workspace", "runtime/offload/cache.py",
+             "        self.staging = min(self.window, 2 * self.window - 2)", "        self.staging = self.window",
+             ["tests/test_offload.py", "-k", "full_workspace"], "a window of 1 lends its workspace to a guess: the pass's read plus its group go past the plan"),
 ]

@@ -221,8 +221,10 @@ class ExpertCache:
         # into the streaming workspace instead, which sits idle while a resident-only draft runs.
         # A pass streams with a window shrunk by half of the guesses held (at least 1), so its reads
         # (2 × its window: a group in compute, the next in flight) plus theirs stay within the plan's
-        # 2 × window of experts: that holds for up to 2 × window − 2 guesses
-        self.staging = 2 * self.window - 2
+        # 2 × window of experts, which holds for up to 2 × window − 2 guesses. A window of them:
+        # 2 × window − 2 hid more reads but left the critical path where it was, the pass beside
+        # them streaming one read at a time (docs/performance.md, "Why verification still reads")
+        self.staging = min(self.window, 2 * self.window - 2)
         self._borrowed: set[Key] = set()
         self._predicted: set[Key] = set()  # this iteration's predictions and draft experts: not evicted for a prefetch
         self._refused: set[Key] = set()  # this iteration's guesses refused (PrefetchStats.missed_refused)
