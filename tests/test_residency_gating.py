@@ -139,6 +139,7 @@ def test_ae_prediction_under_the_resident_variant_favours_the_batch_and_the_tier
     costs = CostConstants(1, 1, 1, 1)
     resident = SpeculativeDecoder(_TierModel, get_method("s2moe"), SpecSettings(rg_variant="resident"), costs)
     paper = SpeculativeDecoder(_TierModel, get_method("s2moe"), SpecSettings(rg_variant="paper"), costs)
+    assert resident.settings.rg_residency == 0.25  # expert 6 ranks high enough to enter E* at the default ρ
     assert resident._predicted_experts(_record(logits), 0, {(0, 5)}) - {(0, 5)} == {(0, 0)}
     assert resident._predicted_experts(_record(logits), 0, set()) == {(0, 0), (0, 6)}
     assert paper._predicted_experts(_record(logits), 0, set()) == {(0, 0), (0, 1)}
@@ -198,3 +199,16 @@ def test_the_default_gating_is_resident_and_without_a_budget_it_is_the_papers():
             engine.close()
     assert out[None, "default"] == out[None, "paper"]
     assert out["0.1", "default"] != out["0.1", "paper"]
+
+
+def test_ae_prediction_under_the_resident_variant_favours_only_tier_experts_its_preferred_set_takes():
+    """Expert 6 is in the tier but ranked low (−3; scaled, 0.2 of the row's range). The token's gap
+    is 5 − 0.9 = 4.1, so if favoured it would climb to 1.1, past expert 1. At ρ = 0.25 it does not
+    enter E* (top 4: 0, 1, 2, 3 at 1.0, 0.6, 0.59, 0.58 against its 0.45): the token keeps {0, 1}.
+    At ρ = 2 it does, and AE prices {0, 6} as verification would load them."""
+    logits = np.array([[5.0, 1.0, 0.9, 0.8, 0.7, -4, -3, -5]], np.float32)
+    costs = CostConstants(1, 1, 1, 1)
+    for rho, want in ((0.25, {(0, 0), (0, 1)}), (2.0, {(0, 0), (0, 6)})):
+        dec = SpeculativeDecoder(_TierModel, get_method("s2moe"), SpecSettings(rg_variant="resident", rg_residency=rho),
+                                 costs)
+        assert dec._predicted_experts(_record(logits), 0, set()) == want, rho

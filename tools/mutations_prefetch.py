@@ -51,4 +51,7 @@ PREFETCH: list[Mutation] = [
     Mutation("a-window-of-one-lends-its-workspace", "runtime/offload/cache.py",
              "        self.staging = min(self.window, 2 * self.window - 2)", "        self.staging = self.window",
              ["tests/test_offload.py", "-k", "full_workspace"], "a window of 1 lends its workspace to a guess: the pass's read plus its group go past the plan"),
+    Mutation("ae-favours-every-tier-expert", "runtime/decoding/speculative.py",
+             "        return avail & star", "        return avail",
+             ["tests/test_residency_gating.py", "-k", "preferred_set_takes"], "AE prices every resident expert as reused, whatever E* takes at the bonus in use"),
 ]

@@ -116,8 +116,8 @@ class SpeculativeDecoder:
         """Experts token t would use in verification: the target top-k of its draft-time logits.
         With reuse-aware gating and the batch's experts so far (``batch``), the top-k of the logits
         as gating will bias them: the batch's experts (and, for the "resident" variant, what the
-        fast tier holds or is reading) raised by the token's own top-1 − (k+1)-th gap, so AE prices
-        what verification will really load."""
+        fast tier holds or is reading and its E* would take) raised by the token's own top-1 −
+        (k+1)-th gap, so AE prices what verification will really load."""
         biased = batch is not None and self.method.reuse_gating and self.settings.rg_strength > 0
         out: set[Key] = set()
         for L, r in record.layers.items():
@@ -126,13 +126,27 @@ class SpeculativeDecoder:
                 favoured = np.zeros(row.shape[1], dtype=bool)
                 favoured[[e for layer, e in batch if layer == L]] = True
                 if self.settings.rg_variant == "resident":
-                    avail = self._available(L)
-                    favoured |= avail if avail is not None else False
+                    favoured |= self._tier_in_preferred_set(L, row[0])
                 ordered = -np.sort(-row[0])
                 gap = ordered[0] - ordered[min(self.top_k, row.shape[1] - 1)]
                 row = row + self.settings.rg_strength * gap * favoured
             out.update((L, int(e)) for e in top_k_indices(row, self.top_k)[0])
         return out
+
+    def _tier_in_preferred_set(self, layer: int, logits: np.ndarray):
+        """The available experts (resident or being read) that the "resident" variant's E* takes
+        for this token: its logits scaled to [0, 1], plus ρ where available, top max(cap, k), as
+        `ReuseGating` ranks a batch's importance. A small ρ adds only the available experts the
+        token already ranks high; ρ ≥ 1 adds every one (up to the cap)."""
+        avail = self._available(layer)
+        if avail is None:
+            return False
+        spread = logits.max() - logits.min()
+        g = (logits - logits.min()) / (spread if spread > 0 else 1.0) + self.settings.rg_residency * avail
+        size = min(max(self.settings.reuse_cap_for(self.top_k), self.top_k), logits.size)
+        star = np.zeros(logits.size, dtype=bool)
+        star[top_k_indices(g[None, :], size)[0]] = True
+        return avail & star
 
     def _pick(self, logits: np.ndarray, draws, position: int) -> tuple[int, float, np.ndarray | None]:
         """Draft token at ``position`` from draft logits: (token, its probability, the law standard
