@@ -49,7 +49,7 @@ def main() -> None:
 
     loaded = load_model(args.model)
     tok = load_tokenizer(loaded)
-    base = make_settings(loaded.config, None, None, None, None, "paper", None)
+    base = make_settings(loaded.config, None, None, None, None, "paper", None)  # the gating its recorded runs used
     slots = [int(s) for s in args.slots.split(",")]
     engine_kw = ({"emulate_bandwidth": args.emulate_bandwidth, "emulate_latency": args.emulate_latency}
                  if args.emulate_bandwidth else {})

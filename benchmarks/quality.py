@@ -12,6 +12,11 @@ Per position: KL(p_target ‖ p_gated), RMS of p_target − p_gated over the voc
 top-1 tokens agree, and the log-likelihood of the true next token under each (PPL ratio =
 exp(mean NLL gated − mean NLL target)). Only the target's KV is committed.
 
+Intervals (95 %) come from resampling whole windows. Every variant after ``paper`` is also paired
+with it, window by window: the quotient of the two PPL ratios and the difference of the top-1
+agreements, with their intervals (``vs_paper``), which says whether a variant costs more than the
+paper's gating does.
+
 Results: a table on stderr, JSON/CSV in docs/results/quality.*.
 """
 
@@ -86,7 +91,21 @@ def measure(model_dir: str, budget: str, variant: str, options: dict, windows: l
     return {"mean_kl": float(np.mean(kl)), "rms_dp": float(np.mean(rms)), "top1_agreement": float(np.mean(agree)),
             "ppl_ratio": float(math.exp(np.mean(nll_g) - np.mean(nll_t))), "positions": len(kl),
             "ppl_target": float(math.exp(np.mean(nll_t))), "ppl_ratio_ci95": [lo[0], hi[0]],
-            "top1_agreement_ci95": [lo[1], hi[1]]}
+            "top1_agreement_ci95": [lo[1], hi[1]], "per_window": per_window}
+
+
+def paired(a: list, b: list, draws: int = 2000, seed: int = 1) -> dict:
+    """Variant a against variant b on the same windows: the quotient of their PPL ratios and the
+    difference of their top-1 agreements, with 95 % intervals from resampling windows together."""
+    x, y = np.array(a, dtype=np.float64), np.array(b, dtype=np.float64)
+    pick = np.random.default_rng(seed).integers(0, len(x), (draws, len(x)))
+    n = x[pick, 1].sum(1)
+    quotient = np.exp((x[pick, 0] - y[pick, 0]).sum(1) / n)
+    top1 = (x[pick, 2] - y[pick, 2]).sum(1) / n
+    ci = lambda v: [float(np.quantile(v, 0.025)), float(np.quantile(v, 0.975))]  # noqa: E731
+    return {"ppl_ratio_quotient": float(math.exp((x[:, 0] - y[:, 0]).sum() / x[:, 1].sum())),
+            "ppl_ratio_quotient_ci95": ci(quotient),
+            "top1_difference": float((x[:, 2] - y[:, 2]).sum() / x[:, 1].sum()), "top1_difference_ci95": ci(top1)}
 
 
 def bootstrap(per_window: list[tuple[float, int, int]], draws: int = 2000, seed: int = 0):
@@ -117,7 +136,7 @@ def main() -> None:
                     help="comma-separated names from: " + ", ".join(name for name, _ in VARIANTS))
     ap.add_argument("--out", default="docs/results/quality")
     args = ap.parse_args()
-    chosen = [v.strip() for v in args.variants.split(",")]
+    chosen = sorted((v.strip() for v in args.variants.split(",")), key=lambda v: v != "paper")  # paper first: the pair
     unknown = [v for v in chosen if v not in dict(VARIANTS)]
     if unknown:
         ap.error(f"--variants: unknown {', '.join(unknown)}")
@@ -132,10 +151,13 @@ def main() -> None:
     heldout = stream(tok, "heldout", eos)
     starts = np.linspace(0, len(heldout) - args.window - 2, args.windows).astype(int)
     windows = [heldout[s:s + args.window + 1].astype(np.int64) for s in starts]
-    records = []
+    records, measured = [], {}
     for name, options in [(v, dict(VARIANTS)[v]) for v in chosen]:
         q = measure(args.model, args.budget, name, options, windows, args.batch, args.draft_topk)
-        print(f"{name}: {q}", file=sys.stderr)
+        measured[name] = q
+        if name != "paper" and "paper" in measured:  # paired with the paper's variant, window by window
+            q["vs_paper"] = paired(q["per_window"], measured["paper"]["per_window"])
+        print(f"{name}: { {k: v for k, v in q.items() if k != 'per_window'} }", file=sys.stderr)
         records.append(Record("quality", name, "ppl_ratio", [q["ppl_ratio"]],
                               params={"model": os.path.basename(args.model.rstrip("/")), "budget": args.budget,
                                       "draft_topk": args.draft_topk,

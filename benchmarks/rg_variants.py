@@ -13,7 +13,8 @@ warm across the prompts, as `s2moe bench` runs them.
 
 Records: acceptance length (tokens per verification), MB read per generated token (all decode
 reads, prefetches included) and the verification misses per token as ``samples``: one per workload,
-in the order given. Decode tok/s is kept as ``extra`` for orientation only; it is timed on a shared
+in the order given; ``extra.prefetch`` holds the prefetch counters per workload, with verification's
+misses split by why no prefetch served them. Decode tok/s is kept as ``extra`` for orientation only; it is timed on a shared
 machine, not alternated, and `benchmarks/speculative.py` is the measure of speed.
 """
 
@@ -36,11 +37,9 @@ def variant_settings(spec: str) -> dict:
     return {"rg_variant": name, **({"rg_residency": float(rho)} if rho else {})}
 
 
-def decode_reads(report: dict) -> int:
-    return sum(p["bytes_read"] for k, p in report["phases"].items() if k not in ("load", "estimate", "prefill"))
-
-
 def run(model: str, budget: str, variant: str, costs, prompts: dict[str, list[list[int]]], loaded) -> dict:
+    from s2moe.runtime.bench import phase_bytes as decode_reads  # decode's reads: not load, estimate, prefill
+    from s2moe.runtime.bench import prefetch_counts
     from s2moe.runtime.decoding.methods import SpecSettings, get_method
     from s2moe.runtime.decoding.speculative import SpeculativeDecoder
     from s2moe.runtime.engine import build_engine
@@ -52,7 +51,8 @@ def run(model: str, budget: str, variant: str, costs, prompts: dict[str, list[li
     decoder.generate(first[:16], 4)  # warm-up, as bench does
     out = {}
     for workload, ids in prompts.items():
-        before, misses0 = decode_reads(engine.cache.report()), engine.cache.stats["verify"].misses
+        start = engine.cache.report()
+        before, misses0 = decode_reads(start), engine.cache.stats["verify"].misses
         tokens = verifications = 0
         seconds = 0.0
         for p in ids:
@@ -63,7 +63,8 @@ def run(model: str, budget: str, variant: str, costs, prompts: dict[str, list[li
         out[workload] = {"acceptance_length": tokens / max(verifications, 1),
                          "mb_per_token": (decode_reads(engine.cache.report()) - before) / max(tokens, 1) / 1e6,
                          "verify_misses_per_token": (engine.cache.stats["verify"].misses - misses0) / max(tokens, 1),
-                         "tok_s": tokens / seconds if seconds else 0.0}
+                         "tok_s": tokens / seconds if seconds else 0.0,
+                         "prefetch": prefetch_counts(start, engine.cache.report())}
     engine.close()
     return out
 
@@ -101,7 +102,8 @@ def main() -> None:
                                   ("verify_misses_per_token", "verification misses per token")):
                 records.append(Record("rg-variants", f"{budget} {variant} {measure}", unit,
                                       [round(got[w][measure], 4) for w in workloads], params=params,
-                                      extra={"tok_s_untimed_order": [round(got[w]["tok_s"], 2) for w in workloads]}))
+                                      extra={"tok_s_untimed_order": [round(got[w]["tok_s"], 2) for w in workloads],
+                                             "prefetch": [got[w]["prefetch"] for w in workloads]}))
             print(f"| {budget} | {variant} | " + " | ".join(
                 f"{got[w]['acceptance_length']:.2f} / {got[w]['mb_per_token']:.2f}" for w in workloads) + " |", flush=True)
     write_outputs(records, machine_info(), args.out, "reuse-aware gating variants under a budget")

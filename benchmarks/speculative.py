@@ -42,6 +42,7 @@ def main() -> None:
                     "tools/widen_model.py makes the cost-realistic one")
     ap.add_argument("--no-live-costs", action="store_true", help="keep the start-up (or profile) constants fixed")
     ap.add_argument("--rg-variant", default=None, help="reuse-aware gating variant: resident (default), paper or code")
+    ap.add_argument("--rg-residency", type=float, default=None, help="the resident variant's bonus ρ (default 0.25)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the whole sweep")
     ap.add_argument("--out", default="docs/results/speculative")
     args = ap.parse_args()
@@ -62,7 +63,8 @@ def main() -> None:
     prof = load_profile(args.profile) if args.profile else None
     from s2moe.runtime.decoding.methods import SpecSettings
 
-    settings = make_settings(loaded.config, None, None, None, None, args.rg_variant or SpecSettings.rg_variant, prof)
+    settings = make_settings(loaded.config, None, None, None, None, args.rg_variant or SpecSettings.rg_variant, prof,
+                             rg_residency=SpecSettings.rg_residency if args.rg_residency is None else args.rg_residency)
     methods = args.methods.split(",")
     records: list[Record] = []
     for rep in range(args.reps):

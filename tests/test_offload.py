@@ -245,6 +245,14 @@ class _HeldReads:
         return 48
 
 
+def _rank_above_guesses(cache, store, keys):
+    """Make ``keys`` resident and used so often that the policy never evicts them for a guess."""
+    for key in keys:
+        for _ in range(9):
+            cache.policy.access(key)
+        cache.hold(key, store.weights())
+
+
 @pytest.mark.parametrize("window,first_reads", [(4, [1, 2, 3]), (2, [1, 2])])
 def test_a_layers_reads_are_queued_before_its_resident_experts_are_computed(window, first_reads):
     """The resident group is handed out with the first ``window`` reads already in flight, so the
@@ -318,10 +326,7 @@ def test_a_prefetch_never_evicts_an_expert_the_draft_used_this_iteration():
 def test_guesses_the_cache_has_no_room_for_wait_in_the_streaming_workspace_and_shrink_the_next_window():
     store = _HeldReads()
     cache = ExpertCache(store, capacity_bytes=2 * 48, window=4, prefetch_slots=8)
-    for key in ((0, 0), (2, 0)):  # ranked above any guess: never evicted for one
-        for _ in range(9):
-            cache.policy.access(key)
-        cache.hold(key, store.weights())
+    _rank_above_guesses(cache, store, [(0, 0), (2, 0)])  # never evicted for a guess
     assert cache.prefetch([(1, 1), (1, 2)]) == 2 and len(cache.held) == 2 and not cache._reserved
     assert cache.prefetch_stats.borrowed == 2 and cache.resident_bytes == 2 * 48
     groups = cache.stream(0, [0, 1, 2, 3, 4])  # another layer: its own window gives up half of the 2 guesses
@@ -348,10 +353,7 @@ def test_a_full_workspace_of_guesses_and_a_pass_stay_within_the_plans_two_window
     the 2 × window planned (a window of 1 lends nothing)."""
     store = _HeldReads()
     cache = ExpertCache(store, capacity_bytes=2 * 48, window=window, prefetch_slots=8)
-    for key in ((0, 0), (3, 0)):  # ranked above any guess: never evicted for one
-        for _ in range(9):
-            cache.policy.access(key)
-        cache.hold(key, store.weights())
+    _rank_above_guesses(cache, store, [(0, 0), (3, 0)])  # never evicted for a guess
     guesses = [(L, e) for L in (1, 2) for e in (1, 2, 3, 4)]
     lent = cache.prefetch(guesses)
     assert lent == cache.staging == {1: 0, 2: 2, 4: 4}[window] and cache.prefetch_stats.refused == 8 - lent
@@ -378,20 +380,19 @@ def test_a_full_workspace_of_guesses_and_a_pass_stay_within_the_plans_two_window
 
 def test_verification_reads_no_prefetch_started_are_split_by_why():
     """PrefetchStats says why verification still read on its critical path: the guess was refused
-    (no room), predicted past the reads-in-flight cap, or never predicted."""
+    (no room), left past the reads-in-flight cap, predicted while resident and evicted since, or
+    never predicted."""
     store = _HeldReads()
     cache = ExpertCache(store, capacity_bytes=3 * 48, window=4, prefetch_slots=3)
     cache.staging = 1
-    for key in ((0, 0), (0, 1)):  # ranked above any guess: never evicted for one
-        for _ in range(9):
-            cache.policy.access(key)
-        cache.hold(key, store.weights())
+    _rank_above_guesses(cache, store, [(0, 0), (0, 1)])
     # (1, 1) takes the free room, (1, 2) the one workspace slot; (1, 3) and (1, 4) are refused
     assert cache.prefetch([(1, 1), (1, 2), (1, 3), (1, 4)]) == 2
-    cache.prefetch_slots = 2  # the cap: (1, 5) is predicted and not started; (1, 3) refused again
-    assert cache.prefetch([(1, 5), (1, 3)]) == 0
+    assert cache.prefetch([(1, 3), (0, 0)]) == 0  # (1, 3) refused again: one more refusal, no new key
     p = cache.prefetch_stats
-    assert (p.borrowed, p.refused, p.refused_keys) == (1, 2, 2)
+    assert (p.borrowed, p.refused, p.refused_keys) == (1, 3, 2)
+    cache.prefetch_slots = 2  # the cap: (1, 5) is predicted and never started
+    assert cache.prefetch([(1, 5)]) == 0 and p.refused == 3
     for f in store.futures.values():
         f.set_result(store.weights())
     real_submit = store.submit
@@ -404,16 +405,19 @@ def test_verification_reads_no_prefetch_started_are_split_by_why():
         return out
 
     store.submit = landed
+    cache.clear()  # (0, 0), predicted while resident, is evicted before verification reads it
     with cache.in_phase("verify"):
+        assert [e for group in cache.stream(0, [0]) for e, _ in group] == [0]
         got = sorted(e for group in cache.stream(1, [1, 2, 3, 4, 5, 6]) for e, _ in group)
     assert got == [1, 2, 3, 4, 5, 6]
-    assert (p.used, p.missed_refused, p.missed_capped, p.missed_unpredicted) == (2, 2, 1, 1)
-    assert cache.report()["prefetch"]["missed_unpredicted"] == 1
+    split = (p.used, p.missed_refused, p.missed_capped, p.missed_evicted, p.missed_unpredicted)
+    assert split == (2, 2, 1, 1, 1) and sum(split) == cache.stats["verify"].misses
+    assert cache.report()["prefetch"]["missed_evicted"] == 1
     cache.settle_prefetches()
     assert not cache.contains(1, 3)
-    with cache.in_phase("verify"):  # a new iteration: nothing predicted, nothing refused yet
-        list(cache.stream(1, [3]))
-    assert (p.missed_refused, p.missed_capped, p.missed_unpredicted) == (2, 1, 2)
+    with cache.in_phase("verify"):  # a new iteration: nothing predicted, refused or capped yet
+        list(cache.stream(1, [3, 5]))
+    assert (p.missed_refused, p.missed_capped, p.missed_unpredicted) == (2, 1, 3)
     with cache.in_phase("ar"):  # AR reads nothing ahead: its misses are not split
         list(cache.stream(1, [8]))
-    assert p.missed_unpredicted == 2
+    assert p.missed_unpredicted == 3

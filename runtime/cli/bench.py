@@ -27,7 +27,7 @@ def bench(
     utility_threshold: Optional[float] = typer.Option(None, "--utility-threshold"),
     ae_lookahead: int = typer.Option(SpecSettings.ae_lookahead, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain, and verifies that prefix (1: stop at the first token with U_i < threshold, the paper's rule)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Device profile (cost constants, settings, budget, hot list)."),
-    rg_variant: str = typer.Option(SpecSettings.rg_variant, "--rg-variant"),
+    rg_variant: str = typer.Option(SpecSettings.rg_variant, "--rg-variant", help="Reuse-aware gating: resident (the paper's, E* also favouring experts the fast tier holds), paper or code (published code)."),
     rg_residency: float = typer.Option(SpecSettings.rg_residency, "--rg-residency", help="Reuse gating 'resident' variant: bonus of experts the fast tier holds or is reading (0 = the paper's preferred set)."),
     draft_fallback: str = typer.Option(SpecSettings.draft_fallback, "--draft-fallback", help="A draft token whose experts are all absent: best (the best resident expert) or skip (no experts in that layer)."),
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),

@@ -139,7 +139,7 @@ class SpeculativeDecoder:
         `ReuseGating` ranks a batch's importance. A small ρ adds only the available experts the
         token already ranks high; ρ ≥ 1 adds every one (up to the cap)."""
         avail = self._available(layer)
-        if avail is None:
+        if avail is None or self.settings.rg_residency <= 0:  # ρ = 0: the paper's E*, AE's paper rule
             return False
         spread = logits.max() - logits.min()
         g = (logits - logits.min()) / (spread if spread > 0 else 1.0) + self.settings.rg_residency * avail

@@ -69,17 +69,20 @@ class PrefetchStats:
     borrowed: int = 0  # of those issued: read into the idle streaming workspace, the cache having no room
     read_seconds: float = 0.0  # of the prefetches used: issue to completion
     waited_seconds: float = 0.0  # of those, what a pass still waited
-    # verification's reads no prefetch had started, by why: the guess was refused (no room), predicted
-    # but past the reads-in-flight cap, or never predicted (another token's choice, or gating's)
+    # verification's reads no prefetch had started, by why: the guess was refused (no room), left
+    # past the reads-in-flight cap, predicted while resident (or used by the draft) and evicted
+    # since, or never predicted (another token's choice, or gating's)
     missed_refused: int = 0
     missed_capped: int = 0
+    missed_evicted: int = 0
     missed_unpredicted: int = 0
 
     def to_dict(self) -> dict:
         return {"issued": self.issued, "used": self.used, "kept": self.kept, "wasted": self.wasted,
                 "wasted_bytes": self.wasted_bytes, "refused": self.refused, "refused_keys": self.refused_keys,
                 "borrowed": self.borrowed, "missed_refused": self.missed_refused,
-                "missed_capped": self.missed_capped, "missed_unpredicted": self.missed_unpredicted,
+                "missed_capped": self.missed_capped, "missed_evicted": self.missed_evicted,
+                "missed_unpredicted": self.missed_unpredicted,
                 "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
                 "waited_seconds": round(self.waited_seconds, 6)}
 
@@ -228,6 +231,7 @@ class ExpertCache:
         self._borrowed: set[Key] = set()
         self._predicted: set[Key] = set()  # this iteration's predictions and draft experts: not evicted for a prefetch
         self._refused: set[Key] = set()  # this iteration's guesses refused (PrefetchStats.missed_refused)
+        self._capped: set[Key] = set()  # and those left past the cap on reads in flight
         self._size = resident_size
         self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
         self.prefetch_stats = PrefetchStats()
@@ -457,8 +461,9 @@ class ExpertCache:
         started = 0
         keys = list(keys)
         self._predicted.update(keys)
-        for key in keys:
+        for i, key in enumerate(keys):
             if len(self._prefetched) >= self.prefetch_slots:
+                self._capped.update(k for k in keys[i:] if k not in self.held and k not in self._prefetched)
                 break
             if key in self.held or key in self._prefetched:
                 continue
@@ -492,8 +497,10 @@ class ExpertCache:
         for key in keys:
             if key in self._refused:
                 st.missed_refused += 1
-            elif key in self._predicted:
+            elif key in self._capped:
                 st.missed_capped += 1
+            elif key in self._predicted:
+                st.missed_evicted += 1
             else:
                 st.missed_unpredicted += 1
 
@@ -518,7 +525,7 @@ class ExpertCache:
         (nothing more is evicted for a guess); unstarted reads are cancelled. Reads still running
         are waited for (a buffer dropped here would land outside the budget), in the current
         phase's fetch time; a guess whose read failed is dropped (a pass that needs it reads again)."""
-        self._predicted, self._refused = set(), set()
+        self._predicted, self._refused, self._capped = set(), set(), set()
         for key, (future, _, _) in list(self._prefetched.items()):
             del self._prefetched[key]
             self._release(key)
