@@ -83,8 +83,19 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=16)
     ap.add_argument("--variants", default="paper,resident=0.25,resident=0.5")
     ap.add_argument("--profile-pattern", default=PROFILES, help="a profile per budget ({budget} is replaced)")
+    ap.add_argument("--ae-whole-tier", action="store_true",
+                    help="ablation: AE's prediction favours every expert the tier holds or is reading, as before "
+                         "05a7162, instead of those the variant's E* takes")
     ap.add_argument("--out", default="docs/results/rg-variants/widened")
     args = ap.parse_args()
+    if args.ae_whole_tier:
+        from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+
+        def whole_tier(self, layer, logits):
+            avail = self._available(layer)
+            return False if avail is None else avail
+
+        SpeculativeDecoder._tier_in_preferred_set = whole_tier
     loaded = load_model(args.model)
     tok = load_tokenizer(loaded)
     workloads = args.workloads.split(",")
@@ -97,7 +108,8 @@ def main() -> None:
             got = run(args.model, budget, variant, costs, prompts, loaded)
             params = {"model": os.path.basename(args.model.rstrip("/")), "budget": budget, "variant": variant,
                       "workloads": workloads, "n_prompts": args.n_prompts, "max_tokens": 64,
-                      "costs": "fixed, " + args.profile_pattern.format(budget=budget)}
+                      "costs": "fixed, " + args.profile_pattern.format(budget=budget),
+                      "ae_prediction": "whole tier" if args.ae_whole_tier else "E*"}
             for measure, unit in (("acceptance_length", "tokens per verification"), ("mb_per_token", "MB per token"),
                                   ("verify_misses_per_token", "verification misses per token")):
                 records.append(Record("rg-variants", f"{budget} {variant} {measure}", unit,

@@ -65,8 +65,8 @@ class SpecSettings:
     # by one that reuses them (docs/performance.md, "AE's lookahead")
     ae_lookahead: int = 2
     # "resident": the paper's gating with E* also favouring experts the fast tier holds or is reading,
-    # at a bonus ρ = rg_residency. At ρ = 0.25 its quality is the paper variant's within the bootstrap
-    # intervals, and a token under a 25 % budget reads 24-29 % fewer bytes (docs/performance.md,
+    # at a bonus ρ = rg_residency. At ρ = 0.25 its quality is the paper variant's within paired bootstrap
+    # intervals, and a token under a 25 % budget reads 28-31 % fewer bytes (docs/performance.md,
     # "Residency-aware gating by default"); without a budget it is the paper's. Or "paper", or "code"
     # (published code: router peakedness, batch-mean λ)
     rg_variant: str = "resident"
