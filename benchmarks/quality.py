@@ -94,31 +94,33 @@ def measure(model_dir: str, budget: str, variant: str, options: dict, windows: l
             "top1_agreement_ci95": [lo[1], hi[1]], "per_window": per_window}
 
 
-def paired(a: list, b: list, draws: int = 2000, seed: int = 1) -> dict:
+def _resampled(x: np.ndarray, y: np.ndarray, seed: int, draws: int = 2000):
+    """Rows (Σ NLL gated − target, positions, top-1 agreements) per window: the PPL-ratio quotient
+    and the top-1 difference of x over y in each of ``draws`` resamples of whole windows, taken
+    together (positions within a window share their context, so they are not independent)."""
+    pick = np.random.default_rng(seed).integers(0, len(x), (draws, len(x)))
+    n = x[pick, 1].sum(1)
+    return np.exp((x[pick, 0] - y[pick, 0]).sum(1) / n), (x[pick, 2] - y[pick, 2]).sum(1) / n
+
+
+def _ci95(v: np.ndarray) -> list[float]:
+    return [float(np.quantile(v, 0.025)), float(np.quantile(v, 0.975))]
+
+
+def paired(a: list, b: list, seed: int = 1) -> dict:
     """Variant a against variant b on the same windows: the quotient of their PPL ratios and the
     difference of their top-1 agreements, with 95 % intervals from resampling windows together."""
     x, y = np.array(a, dtype=np.float64), np.array(b, dtype=np.float64)
-    pick = np.random.default_rng(seed).integers(0, len(x), (draws, len(x)))
-    n = x[pick, 1].sum(1)
-    quotient = np.exp((x[pick, 0] - y[pick, 0]).sum(1) / n)
-    top1 = (x[pick, 2] - y[pick, 2]).sum(1) / n
-    ci = lambda v: [float(np.quantile(v, 0.025)), float(np.quantile(v, 0.975))]  # noqa: E731
+    quotient, top1 = _resampled(x, y, seed)
     return {"ppl_ratio_quotient": float(math.exp((x[:, 0] - y[:, 0]).sum() / x[:, 1].sum())),
-            "ppl_ratio_quotient_ci95": ci(quotient),
-            "top1_difference": float((x[:, 2] - y[:, 2]).sum() / x[:, 1].sum()), "top1_difference_ci95": ci(top1)}
+            "ppl_ratio_quotient_ci95": _ci95(quotient),
+            "top1_difference": float((x[:, 2] - y[:, 2]).sum() / x[:, 1].sum()), "top1_difference_ci95": _ci95(top1)}
 
 
-def bootstrap(per_window: list[tuple[float, int, int]], draws: int = 2000, seed: int = 0):
-    """95 % intervals of the PPL ratio and top-1 agreement, resampling whole windows (positions
-    within a window share their context, so they are not independent)."""
+def bootstrap(per_window: list[tuple[float, int, int]], seed: int = 0):
+    """95 % intervals of the PPL ratio and top-1 agreement: ((ppl low, top-1 low), (ppl high, top-1 high))."""
     d = np.array(per_window, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    pick = rng.integers(0, len(d), (draws, len(d)))
-    n = d[pick, 1].sum(1)
-    ppl = np.exp(d[pick, 0].sum(1) / n)
-    top1 = d[pick, 2].sum(1) / n
-    q = lambda a: (float(np.quantile(a, 0.025)), float(np.quantile(a, 0.975)))  # noqa: E731
-    (p_lo, p_hi), (t_lo, t_hi) = q(ppl), q(top1)
+    (p_lo, p_hi), (t_lo, t_hi) = map(_ci95, _resampled(d, np.zeros_like(d), seed))
     return (p_lo, t_lo), (p_hi, t_hi)
 
 
