@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--methods", default=METHODS)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--profile", default=None, help="cost constants from this profile instead of start-up estimates")
+    ap.add_argument("--hot-experts", default=None, help='pin these experts in every run, JSON {"gpu_experts": '
+                    '[[layer, expert], ...]}; a list that fills the budget leaves no cache across steps, '
+                    "as in the published code")
     ap.add_argument("--emulate-bandwidth", type=float, default=None)
     ap.add_argument("--emulate-latency", type=float, default=0.0)
     ap.add_argument("--model", default=None, help="model folder or .gguf (default: the embedded model); "
@@ -73,9 +76,10 @@ def main() -> None:
                 print(f"repetition {rep + 1} · budget {budget} · {workload}", file=sys.stderr)
                 rs = run_bench(loaded, tok, workload, methods, budget, args.n_prompts, args.max_tokens, settings,
                                prof.costs if prof else None, SamplingParams(), estimate=estimate_costs,
-                               engine_kw=engine_kw, live=not args.no_live_costs)
+                               engine_kw=engine_kw, live=not args.no_live_costs, hot=args.hot_experts)
                 for r in rs:
                     r.params["repetition"] = rep + 1
+                    r.params["hot_experts"] = args.hot_experts
                 records += rs
     write_outputs(records, machine_info(), args.out, "speculative decoding")
     print_summary(records)
