@@ -7,7 +7,8 @@
 
 Everything after ``--`` goes to both runs; ``--a`` and ``--b`` add each side's own flags (split
 like a shell line), and ``--a-rev`` / ``--b-rev`` run that side on the code of a git revision (a
-clean copy with the built extension, first on its import path) instead of the installed one:
+clean copy with the built extension, or one built from its own sources where its kernels
+differ, first on its import path) instead of the installed one:
 
     python benchmarks/ab.py --label reads-first --a-name before --a-rev b247cfd --b-name after \
         --out docs/results/read-overlap/widened-0.25 \
@@ -43,12 +44,19 @@ CLI = "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); runpy.run_module(
 
 
 def copy_of(rev: str, dest: str) -> str:
-    """A clean tree of ``rev`` importable as s2moe, with this checkout's built extension."""
+    """A clean tree of ``rev`` importable as s2moe, with this checkout's built extension, or its
+    own when ``rev``'s kernel sources differ from the working tree's (else an A/B of a kernel
+    change would time one extension twice)."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import mutate  # its make_copy: the same copies mutation testing and the stress loop use
 
     os.makedirs(dest)
     mutate.make_copy(rev, dest)
+    same = subprocess.run(["git", "diff", "--quiet", rev, "--", "csrc/cpu", "setup.py"], cwd=ROOT).returncode == 0
+    if not same:
+        print(f"building {rev}'s CPU kernels for its side", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=dest, check=True,
+                       stdout=subprocess.DEVNULL)
     return dest
 
 

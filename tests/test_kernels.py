@@ -9,6 +9,7 @@ and still fails on any wrong block layout or scale (those move results by 1e-2 o
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +169,62 @@ def test_concurrent_callers_and_pool_resizes_give_correct_results(rng):
     finally:
         _cpu.set_threads(cpu.default_threads())
     assert not bad
+
+
+def _pooled_calls(rng):
+    """A product and a layer's experts big enough for the pool, with their reference results."""
+    W = random_matrix(rng, "F16", 512, 512)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    experts = _experts(rng, "F16", 3, 256, 512)
+    groups = [(w, np.array(r, np.int32), np.full(len(r), 0.5, np.float32)) for w, r in zip(experts, ([0, 2], [1], [0, 1, 2]))]
+    act, ref = ExpertAct(), ReferenceOps()
+    want = (ref.linear(x, W), ref.experts(x, groups, act, np.zeros((3, 512), np.float32)))
+
+    def call(ops):
+        return ops.linear(x, W), ops.experts(x, groups, act, np.zeros((3, 512), np.float32))
+
+    return call, want
+
+
+def test_a_job_finishes_on_the_caller_when_no_worker_joins(rng):
+    """A worker the OS has not woken yet (held here) must not hold up a call: the caller takes every
+    chunk. Waiting for it cost ~300 us per call after each read on this VM; waiting for a worker
+    that never comes would hang."""
+    from s2moe import _cpu
+
+    call, want = _pooled_calls(rng)
+    ops = cpu.CpuOps(threads=2)
+    got = []
+    _cpu.hold_workers(True)
+    try:
+        t = threading.Thread(target=lambda: got.extend(call(ops) for _ in range(20)), daemon=True)
+        t.start()
+        t.join(timeout=10)
+        waited = t.is_alive()
+    finally:
+        _cpu.hold_workers(False)  # a call stuck waiting for them finishes once they join
+    t.join(timeout=60)
+    _cpu.set_threads(cpu.default_threads())
+    assert not waited, "a call waited for workers that had not joined"
+    assert len(got) == 20
+    for y, out in got:
+        assert rel_err(y, want[0]) <= REL and rel_err(out, want[1]) <= REL
+
+
+def test_workers_that_wake_during_a_job_join_it_correctly(rng):
+    """Calls spaced past the workers' spin, so they sleep and wake while a job runs (or after it):
+    a late worker takes the chunks left, or none, and never a closed job's."""
+    from s2moe import _cpu
+
+    call, want = _pooled_calls(rng)
+    ops = cpu.CpuOps(threads=2)
+    try:
+        for i in range(40):
+            time.sleep(0.0003 + 0.0001 * (i % 8))  # around the 200 us spin
+            y, out = call(ops)
+            assert rel_err(y, want[0]) <= REL and rel_err(out, want[1]) <= REL, i
+    finally:
+        _cpu.set_threads(cpu.default_threads())
 
 
 def test_select_ops_names_its_choice(monkeypatch):

@@ -280,6 +280,13 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
 
 static PyObject *py_threads(PyObject *self, PyObject *noargs) { return PyLong_FromLong(pool_threads()); }
 
+static PyObject *py_hold_workers(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    pool_hold_workers(on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_use_simd(PyObject *self, PyObject *args) {
     int want;
     if (!PyArg_ParseTuple(args, "p", &want)) return NULL;
@@ -303,6 +310,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): RMSNorm over rows of len(w)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n) -> threads in use (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads in use"},
+    {"hold_workers", py_hold_workers, METH_VARARGS, "hold_workers(on): tests; workers wait before joining a job while on"},
     {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},
     {"path", py_path, METH_NOARGS, "the code path in use: avx2+fma+f16c or portable"},
     {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(type, K): bytes of one stored row (0: not whole blocks)"},

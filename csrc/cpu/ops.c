@@ -60,7 +60,7 @@ int op_matmul(int type, const uint8_t *W, long N, long K, const float *x, int T,
     if (N * K * (long)T < PARALLEL_MIN_WORK || pool_threads() <= 1)
         matmul_part(&j, 0, 1);
     else
-        pool_run(matmul_part, &j);
+        pool_run(matmul_part, &j, pool_chunks());
     free(xs);
     free(ys);
     return 0;
@@ -107,10 +107,10 @@ static inline float activate(const moe_job *m, float g, float u) {
     return g / (1.0f + expf(-g)) * u;
 }
 
-static void moe_part(void *p, int ith, int nth) {
+/* phase 1: gate and up rows of every expert, as one flat row range, then the activation */
+static void moe_gate_up_part(void *p, int ith, int nth) {
     const moe_job *m = p;
     const long I = m->I, H = m->H;
-    /* phase 1: gate and up rows of every expert, as one flat row range, then the activation */
     long a0, a1;
     span((long)m->n_ex * I, ith, nth, &a0, &a1);
     for (int e = 0; e < m->n_ex && a0 < a1; e++) {
@@ -127,8 +127,13 @@ static void moe_part(void *p, int ith, int nth) {
                                 u[r] + (x->up_bias ? x->up_bias[r] : 0.0f));
         }
     }
-    pool_barrier(nth);
-    /* phase 2: down rows split by output row, so each thread owns its slice of out */
+}
+
+/* phase 2 (after every activation of phase 1): down rows split by output row, so each chunk owns
+ * its slice of out */
+static void moe_down_part(void *p, int ith, int nth) {
+    const moe_job *m = p;
+    const long I = m->I, H = m->H;
     long r0, r1;
     span(H, ith, nth, &r0, &r1);
     if (r0 >= r1) return;
@@ -183,10 +188,13 @@ int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float
         rows += 4 * (size_t)n;
     }
     long work = 3 * pairs * I * H;
-    if (work < PARALLEL_MIN_WORK || pool_threads() <= 1)
-        moe_part(&m, 0, 1);
-    else
-        pool_run(moe_part, &m);
+    if (work < PARALLEL_MIN_WORK || pool_threads() <= 1) {
+        moe_gate_up_part(&m, 0, 1);
+        moe_down_part(&m, 0, 1);
+    } else {
+        pool_run(moe_gate_up_part, &m, pool_chunks());
+        pool_run(moe_down_part, &m, pool_chunks());
+    }
     free(scratch);
     free(ptrs);
     return 0;
@@ -297,7 +305,7 @@ int op_attend(const attn_args *a) {
     if (work < PARALLEL_MIN_WORK || pool_threads() <= 1)
         attn_part(&j, 0, 1);
     else
-        pool_run(attn_part, &j);
+        pool_run(attn_part, &j, pool_chunks());
     free(qr);
     return 0;
 }

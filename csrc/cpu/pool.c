@@ -19,22 +19,32 @@
 #define MAX_THREADS 64
 #define SPIN_NS 200000L /* a worker polls this long for the next job before sleeping */
 
+#define CHUNKS_PER_THREAD 4
+
 static struct {
     pthread_t tid[MAX_THREADS];
     int n;                       /* threads in all, the caller included */
     pool_fn fn;
     void *ctx;
-    atomic_uint gen;             /* bumped once per job */
+    int chunks;                  /* the current job's chunk count */
+    /* each counter on a cache line of its own: spinning readers of one do not slow writers of another */
+    _Alignas(64) atomic_int next; /* the next chunk to take */
+    _Alignas(64) atomic_int done; /* chunks finished */
+    /* OPEN while workers may join the current job; the low bits count the workers in it. A worker
+     * joins with a compare-and-swap that needs OPEN, so once the caller clears OPEN and sees no
+     * workers, none can touch the job's ctx again (the caller may free it on return). */
+    _Alignas(64) atomic_uint state;
+    _Alignas(64) atomic_uint gen; /* bumped once per job */
+    char pad_gen[60];
     unsigned start_gen;          /* gen when the workers were created: their first "seen" */
-    atomic_int pending;          /* workers still running the current job */
     atomic_int stop;
+    atomic_int held;             /* tests: workers wait before joining, as if not woken yet */
     atomic_int sleepers;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    /* barrier */
-    atomic_int bar_count;
-    atomic_uint bar_gen;
 } P = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .n = 1};
+
+#define OPEN 0x80000000u
 
 /* One job at a time: kernels run with the GIL released, so two Python threads may call in. */
 static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -45,8 +55,17 @@ static long now_ns(void) {
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
+/* Take and run chunks of the current job until none are left. */
+static void take_chunks(void) {
+    int i;
+    while ((i = atomic_fetch_add_explicit(&P.next, 1, memory_order_relaxed)) < P.chunks) {
+        P.fn(P.ctx, i, P.chunks);
+        atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
+    }
+}
+
 static void *worker(void *arg) {
-    int ith = (int)(long)arg;
+    (void)arg;
     /* not the current gen: a job may already have been published before this thread first runs */
     unsigned seen = P.start_gen;
     for (;;) {
@@ -66,8 +85,19 @@ static void *worker(void *arg) {
         }
         if (atomic_load(&P.stop)) return NULL;
         seen = g;
-        if (ith < P.n) P.fn(P.ctx, ith, P.n);
-        atomic_fetch_sub_explicit(&P.pending, 1, memory_order_release);
+        while (atomic_load_explicit(&P.held, memory_order_relaxed) && !atomic_load(&P.stop)) {
+            struct timespec nap = {0, 100000}; /* held (tests): as if the OS had not woken us yet */
+            nanosleep(&nap, NULL);
+        }
+        /* join whatever job is open now (perhaps a later one than g: fn/ctx are read after the join,
+         * so they are that job's), or skip a job that has already closed */
+        unsigned s = atomic_load_explicit(&P.state, memory_order_relaxed);
+        while (s & OPEN)
+            if (atomic_compare_exchange_weak_explicit(&P.state, &s, s + 1, memory_order_acquire, memory_order_relaxed))
+                break;
+        if (!(s & OPEN)) continue;
+        take_chunks();
+        atomic_fetch_sub_explicit(&P.state, 1, memory_order_release);
     }
 }
 
@@ -106,43 +136,41 @@ int pool_set_threads(int n) {
 
 int pool_threads(void) { return P.n; }
 
-void pool_run(pool_fn fn, void *ctx) {
+int pool_chunks(void) { return P.n * CHUNKS_PER_THREAD; }
+
+void pool_hold_workers(int on) { atomic_store(&P.held, on != 0); }
+
+void pool_run(pool_fn fn, void *ctx, int n) {
+    if (n <= 0) return;
     pthread_mutex_lock(&run_mu);
-    if (P.n <= 1) {
-        fn(ctx, 0, 1);
+    if (P.n <= 1 || n == 1) {
+        for (int i = 0; i < n; i++) fn(ctx, i, n);
         pthread_mutex_unlock(&run_mu);
         return;
     }
     P.fn = fn;
     P.ctx = ctx;
-    atomic_store(&P.bar_count, 0);
-    atomic_store(&P.pending, P.n - 1);
+    P.chunks = n;
+    atomic_store_explicit(&P.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&P.state, OPEN, memory_order_release); /* the job above, then open */
     atomic_fetch_add(&P.gen, 1); /* seq_cst: ordered before the sleepers check */
-    if (atomic_load(&P.sleepers) > 0) {
+    if (atomic_load(&P.sleepers) > 0) { /* wake them for the calls to come; this one need not wait */
         pthread_mutex_lock(&P.mu);
         pthread_cond_broadcast(&P.cv);
         pthread_mutex_unlock(&P.mu);
     }
-    fn(ctx, 0, P.n);
+    take_chunks();
     int spins = 0;
-    while (atomic_load_explicit(&P.pending, memory_order_acquire) > 0) {
+    /* chunks a worker took are finished by it; then close, and wait for joined workers to leave */
+    while (atomic_load_explicit(&P.done, memory_order_acquire) < n) {
         CPU_RELAX();
         if (++spins > 4096) sched_yield(); /* a descheduled worker: give it the core */
     }
-    pthread_mutex_unlock(&run_mu);
-}
-
-void pool_barrier(int nth) {
-    if (nth <= 1) return;
-    unsigned g = atomic_load_explicit(&P.bar_gen, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&P.bar_count, 1, memory_order_acq_rel) == nth - 1) {
-        atomic_store(&P.bar_count, 0);
-        atomic_fetch_add_explicit(&P.bar_gen, 1, memory_order_release);
-        return;
-    }
-    int spins = 0;
-    while (atomic_load_explicit(&P.bar_gen, memory_order_acquire) == g) {
+    atomic_fetch_and_explicit(&P.state, ~OPEN, memory_order_acq_rel);
+    while (atomic_load_explicit(&P.state, memory_order_acquire) != 0) {
         CPU_RELAX();
         if (++spins > 4096) sched_yield();
     }
+    pthread_mutex_unlock(&run_mu);
 }

@@ -1,21 +1,27 @@
 /* A small persistent thread pool for the CPU kernels.
  *
- * One job at a time: the caller publishes fn/ctx, bumps a generation counter and works as thread 0;
- * workers spin briefly on the counter (kernel calls come every 50-500 us during a pass, and waking a
- * sleeping thread costs tens of us), then sleep on a condition variable. Phases inside a job
- * synchronise with pool_barrier().
+ * One job at a time. A job is a number of chunks; the caller publishes it, bumps a generation
+ * counter and takes chunks itself. Workers that are awake join the job and take chunks too, until
+ * none are left. Nobody waits for a worker that has not joined: a worker asleep when the job starts
+ * (waking one costs ~300 us on a VM, more than a whole small kernel call) simply finds it done.
+ * Workers spin briefly for the next job (kernel calls come every 50-500 us during a pass), then
+ * sleep on a condition variable.
  */
 #ifndef S2MOE_POOL_H
 #define S2MOE_POOL_H
 
-typedef void (*pool_fn)(void *ctx, int ith, int nth);
+/* Process chunk i of n (callers split their rows with the same span() as a static split would). */
+typedef void (*pool_fn)(void *ctx, int i, int n);
 
 /* Start (or resize to) n threads in all, the caller included; n <= 1 runs jobs inline. */
 int pool_set_threads(int n);
 int pool_threads(void);
-/* Run fn(ctx, i, n) for i in 0..n-1, the caller as i = 0; returns when all are done. */
-void pool_run(pool_fn fn, void *ctx);
-/* Inside a job: wait until every thread of the job reaches this point. */
-void pool_barrier(int nth);
+/* The chunks a job of the pool's width is cut into: enough for a late worker to take a share. */
+int pool_chunks(void);
+/* Run fn(ctx, i, n) once for every i in 0..n-1, on the caller and on any worker that joins;
+ * returns when all are done and no worker touches ctx any more. */
+void pool_run(pool_fn fn, void *ctx, int n);
+/* Tests: while on, workers wait before joining a job, as if the OS had not woken them yet. */
+void pool_hold_workers(int on);
 
 #endif
