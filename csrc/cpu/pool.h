@@ -4,8 +4,8 @@
  * counter and takes chunks itself. Workers that are awake join the job and take chunks too, until
  * none are left. Nobody waits for a worker that has not joined: a worker asleep when the job starts
  * (waking one costs ~300 us on a VM, more than a whole small kernel call) simply finds it done.
- * Workers spin briefly for the next job (kernel calls come every 50-500 us during a pass), then
- * sleep on a condition variable.
+ * Workers spin briefly for the next job (the gaps between kernel calls inside a pass), then sleep
+ * on a condition variable.
  */
 #ifndef S2MOE_POOL_H
 #define S2MOE_POOL_H
