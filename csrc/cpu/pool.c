@@ -20,7 +20,7 @@
 /* A worker polls this long for the next job before sleeping: the gaps between kernel calls inside a
  * pass (Python, 10-40 us), not the waits for a read. A worker asleep when a job starts costs only its
  * help with that job, while a spinning one holds a core the caller's Python and the read threads
- * need (on 2 cores, 200 us of spinning cost the embedded model's offloaded decode 15-25 %). */
+ * need (docs/performance.md, "The kernels' thread pool never waits for a sleeping worker"). */
 #define SPIN_NS 50000L
 
 #define CHUNKS_PER_THREAD 4
