@@ -212,15 +212,18 @@ def test_a_job_finishes_on_the_caller_when_no_worker_joins(rng):
 
 
 def test_workers_that_wake_during_a_job_join_it_correctly(rng):
-    """Calls spaced past the workers' spin, so they sleep and wake while a job runs (or after it):
-    a late worker takes the chunks left, or none, and never a closed job's."""
+    """Calls spaced on both sides of the workers' 50 us spin, so a worker is spinning, just asleep or
+    long asleep when a job starts, and wakes while it runs or after it: a late worker takes the
+    chunks left, or none, and never a closed job's."""
     from s2moe import _cpu
 
     call, want = _pooled_calls(rng)
     ops = cpu.CpuOps(threads=2)
     try:
-        for i in range(40):
-            time.sleep(0.0003 + 0.0001 * (i % 8))  # around the 200 us spin
+        for i in range(48):
+            pause = (0.0, 0.00002, 0.00005, 0.0001, 0.0003, 0.001)[i % 6]
+            if pause:
+                time.sleep(pause)
             y, out = call(ops)
             assert rel_err(y, want[0]) <= REL and rel_err(out, want[1]) <= REL, i
     finally:
