@@ -6,6 +6,8 @@ most likely to catch it (``--full``: the whole suite). A mutation is ``caught`` 
 (or errors, or times out), ``survived`` when it passes. The repository itself is never touched:
 the copy lives under a temporary folder, importable as ``s2moe`` through a small shim
 (``s2moe/runtime`` → ``runtime/`` and so on, as pyproject's package-dir maps them) on PYTHONPATH.
+A mutation of the CPU kernels (``csrc/cpu/``) rebuilds the copy's extension before its tests and
+again after it is undone (about 10 s each).
 
     python tools/mutate.py                     # every mutation, targeted tests
     python tools/mutate.py --only accept-always seed-ignored
@@ -104,6 +106,12 @@ class Result:
     tests: list[str] = field(default_factory=list)
 
 
+def rebuild(copy: str) -> None:
+    """Build the copy's CPU kernels from its (mutated or restored) sources, in place."""
+    subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace", "--force"], cwd=copy, check=True,
+                   capture_output=True)
+
+
 def check(copy: str, m: Mutation, full: bool, timeout: float) -> Result:
     path = os.path.join(copy, m.file)
     res = Result(m.id, "stale", 0.0, file=m.file, note=m.note, tests=[] if full else m.tests)
@@ -119,10 +127,14 @@ def check(copy: str, m: Mutation, full: bool, timeout: float) -> Result:
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text.replace(m.original, m.replacement))
+        if m.file.startswith("csrc/cpu/"):  # a kernel mutant: the copy's extension is rebuilt with it
+            rebuild(copy)
         outcome, took, detail = run_pytest(copy, [] if full else m.tests, timeout)
     finally:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
+        if m.file.startswith("csrc/cpu/"):
+            rebuild(copy)
     res.seconds = round(took, 1)
     res.status = {"passed": "survived", "no tests": "no tests"}.get(outcome, "caught")
     res.caught_by = detail if outcome == "failed" else outcome if outcome == "timeout" else ""
