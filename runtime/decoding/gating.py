@@ -29,6 +29,16 @@ from ..model.routing import top_k_indices
 VARIANTS = ("paper", "code", "resident")
 
 
+def preferred_set(g: np.ndarray, size: int, residency: float = 0.0, available=None) -> np.ndarray:
+    """E*: the ``size`` experts of largest importance ``g`` [E] (ties to the lower id). With
+    ``available`` ([E] bool, the "resident" variant), g is first scaled to [0, 1] and available
+    experts get the bonus ``residency``."""
+    if available is not None:
+        spread = g.max() - g.min()
+        g = (g - g.min()) / (spread if spread > 0 else 1.0) + residency * available
+    return top_k_indices(g[None, :], min(size, g.size))[0]
+
+
 @dataclass
 class ReuseGating:
     top_k: int
@@ -59,12 +69,8 @@ class ReuseGating:
         if not np.any(w > 0):
             return None
         g = (w[:, None] * logits).sum(0)  # [E]
-        if self.variant == "resident" and self.available is not None:
-            avail = self.available(layer)
-            if avail is not None:
-                spread = g.max() - g.min()
-                g = (g - g.min()) / (spread if spread > 0 else 1.0) + self.residency * avail
-        preferred = top_k_indices(g[None, :], min(max(self.cap, k), E))[0]
+        avail = self.available(layer) if self.variant == "resident" and self.available is not None else None
+        preferred = preferred_set(g, max(self.cap, k), self.residency, avail)
         ordered = -np.sort(-logits, axis=-1)
         gap = ordered[:, 0] - ordered[:, k]  # top-1 minus (k+1)-th, per token
         lam = self.strength * (np.full(B, gap.mean()) if self.variant == "code" else gap)

@@ -24,7 +24,7 @@ from .cost_model import CostConstants
 from .live_costs import LiveCosts
 from ..engine import phase_of
 from .generate import GenerationResult
-from .gating import ReuseGating
+from .gating import ReuseGating, preferred_set
 from ..model.kv_cache import KVCache
 from .methods import MethodSpec, SpecSettings
 from ..model.forward import MoEModel
@@ -141,11 +141,9 @@ class SpeculativeDecoder:
         avail = self._available(layer)
         if avail is None or self.settings.rg_residency <= 0:  # ρ = 0: the paper's E*, AE's paper rule
             return False
-        spread = logits.max() - logits.min()
-        g = (logits - logits.min()) / (spread if spread > 0 else 1.0) + self.settings.rg_residency * avail
-        size = min(max(self.settings.reuse_cap_for(self.top_k), self.top_k), logits.size)
         star = np.zeros(logits.size, dtype=bool)
-        star[top_k_indices(g[None, :], size)[0]] = True
+        star[preferred_set(logits, max(self.settings.reuse_cap_for(self.top_k), self.top_k),
+                           self.settings.rg_residency, avail)] = True
         return avail & star
 
     def _pick(self, logits: np.ndarray, draws, position: int) -> tuple[int, float, np.ndarray | None]:
