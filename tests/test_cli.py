@@ -206,6 +206,29 @@ def test_a_sampled_bench_is_reproducible_with_its_seed(tiny_model_dirs, tmp_path
     assert outcome(0) == outcome(1)  # the tokens (hence acceptance and fetched bytes) are the seed's
 
 
+def test_bench_takes_the_truncations_run_takes(tiny_model_dirs, tmp_path):
+    """--top-k 1 makes sampling argmax: at temperature 0.9 the bench decodes the greedy tokens (same
+    acceptance and bytes), which it does not without the flag; records name the truncation."""
+    _, folder, _ = tiny_model_dirs["olmoe"]
+    workload = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
+
+    def outcome(i, *flags):
+        out = tmp_path / f"t{i}.json"
+        r = s2moe("bench", "-m", folder, "-w", workload, "--methods", "ca", "--budget", "0.5", "--n-prompts", "3",
+                  "--max-tokens", "12", "--seed", "3", "--json", str(out), "--no-prefetch", *flags)
+        assert r.returncode == 0, r.stderr
+        rec = json.loads(out.read_text())["records"][0]
+        return (rec["acceptance_length"], rec["bytes_fetched_per_token"]), rec
+
+    greedy, _ = outcome(0)
+    top1, rec = outcome(1, "-t", "0.9", "--top-k", "1", "--top-p", "0.9", "--min-p", "0.01")
+    sampled, _ = outcome(2, "-t", "0.9")
+    assert top1 == greedy and sampled != greedy
+    assert (rec["temperature"], rec["top_k"], rec["top_p"], rec["min_p"]) == (0.9, 1, 0.9, 0.01)
+    r = s2moe("bench", "-m", folder, "-w", workload, "--methods", "ar", "--n-prompts", "1", "--top-p", "0")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--top-p" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
 def test_runtime_never_imports_torch_or_transformers():
     code = ("import sys\nfrom s2moe.runtime.cli import app\nimport s2moe.calib.cli\n"
             "from typer.testing import CliRunner\n"

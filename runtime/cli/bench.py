@@ -37,7 +37,10 @@ def bench(
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers only the N most frequent tokens of the model's token_ranks.json (0 = all; default: the profile's, else 0); verification keeps the full head, so the output is unchanged."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model; write one with s2moe vocab)."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy (argmax), as in the paper's runs."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p × the top probability."),
     seed: Optional[int] = typer.Option(0, "--seed"),
     sampler: str = typer.Option("auto", "--sampler", help="Sampled speculation: coupled (a seed gives AR's text whatever was drafted), standard (accepts more; the text can follow draft decisions) or auto (coupled with --seed, else standard)."),
     emulate_bandwidth: Optional[float] = typer.Option(None, "--emulate-bandwidth", help="Emulated slow tier MB/s."),
@@ -88,7 +91,7 @@ def bench(
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead)
         check_draft_vocab(loaded, settings, draft_vocab)
-        params = SamplingParams(temperature=temperature, seed=seed, sampler=sampler)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, sampler=sampler)
         recorder = None
         if trace_path:
             from ..decoding.trace import TraceRecorder
