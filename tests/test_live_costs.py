@@ -192,3 +192,20 @@ def test_the_start_up_estimate_prices_a_miss_at_one_expert_read():
     else:
         raise AssertionError(f"a miss priced above 1.6 reads three times: {ratios}")
     engine.close()
+
+
+def test_the_fits_solver_is_imported_before_decoding_not_in_the_first_verification():
+    """Importing scipy.optimize takes about 0.5 s here: done in the first verification it landed in
+    the decode time `s2moe run` reports (a 256-token run of the default model, 1.5 s against 1.0)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from s2moe.runtime.decoding.live_costs import LiveCosts\n"
+            "from s2moe.runtime.decoding.cost_model import CostConstants\n"
+            "assert 'scipy.optimize' not in sys.modules, 'imported with the module: every command pays it'\n"
+            "LiveCosts(CostConstants(t_ar=5e-3, c_draft=3e-3, t_exp_miss=1e-3, t_exp_hit=5e-5))\n"
+            "print('scipy.optimize' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"

@@ -143,3 +143,40 @@ def test_top_k_one_is_argmax_sampling():
 def test_bad_params_raise_usage_error(kw):
     with pytest.raises(UsageError):
         SamplingParams(**kw)
+
+
+def _nucleus_by_full_sort(p, top_p):
+    """The reference: a stable sort of the whole vocabulary (what `probabilities` did before)."""
+    order = np.argsort(-p, kind="stable")
+    cutoff = np.searchsorted(np.cumsum(p[order]), top_p - 1e-12) + 1
+    out = np.ones(p.size, dtype=bool)
+    out[order[:cutoff]] = False
+    return out
+
+
+@pytest.mark.parametrize("first", [1, 3, 64])
+def test_nucleus_without_a_full_sort_is_the_full_sorts_prefix(rng, first):
+    """Flat and peaked laws, with ties at every place (logits rounded to a few levels), so the prefix
+    often ends in a tie, across the doubling boundary, or needs the whole vocabulary."""
+    from s2moe.runtime.decoding.sampling import nucleus_outside
+
+    for case in range(400):
+        n = int(rng.integers(1, 300))
+        logits = rng.normal(size=n) * rng.choice([0.1, 1.0, 4.0])
+        if case % 2:
+            logits = np.round(logits * 2) / 2  # ties
+        z = np.exp(logits - logits.max())
+        p = z / z.sum()
+        top_p = float(rng.choice([0.05, 0.5, 0.9, 0.95, 0.999, 1.0 - 1e-13]))
+        np.testing.assert_array_equal(nucleus_outside(p, top_p, first=first), _nucleus_by_full_sort(p, top_p),
+                                      err_msg=f"case {case}: n={n} top_p={top_p}")
+
+
+def test_nucleus_keeps_the_first_index_of_a_tie_across_the_candidates_boundary():
+    # 0.3, then five tokens at 0.14: top_p 0.5 needs two of the tied ones, the lowest indices (1, 2),
+    # whatever the partial sort picked as its first candidates
+    from s2moe.runtime.decoding.sampling import nucleus_outside
+
+    p = np.array([0.3] + [0.14] * 5)
+    for first in (1, 2, 3, 6):
+        assert np.flatnonzero(~nucleus_outside(p, 0.5, first=first)).tolist() == [0, 1, 2]

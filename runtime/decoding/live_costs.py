@@ -60,6 +60,10 @@ class LiveCosts:
         self.t_ar = _EwMean(prior.t_ar, prior_passes, self.decay)
         self.c_draft = _EwMean(prior.c_draft, prior_passes, self.decay)
         self.inflight = _EwMean(prior.t_exp_inflight, prior_passes, self.decay)
+        self._theta: np.ndarray | None = None  # the fit for the current G, b (AR steps do not move it)
+        from scipy.optimize import nnls  # here, not in the first verification: importing takes 0.5 s
+
+        self._nnls = nnls
 
     def observe_verify(self, n_tokens: int, n_missing: int, n_resident: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
@@ -74,6 +78,7 @@ class LiveCosts:
                 self.b *= 0.05
                 self.off_run, self.residual = 0, 0.0
                 self.restarts += 1
+        self._theta = None
         self.G = self.G * self.decay + np.outer(a, a)
         self.b = self.b * self.decay + a * seconds
         self.passes += 1
@@ -103,13 +108,12 @@ class LiveCosts:
         and a miss price several times what a miss adds; clipping kept that miss price."""
         if self.passes == 0:
             return self.theta0.copy()
-        from scipy.optimize import nnls
-
-        D = np.diag(self.prior_passes * np.maximum(self.scale, 1e-9))
-        # minimise θᵀ(G + D)θ − 2θᵀ(b + Dθ₀) over θ ≥ 0, i.e. ‖Lᵀθ − L⁻¹(b + Dθ₀)‖² with G + D = LLᵀ
-        L = np.linalg.cholesky(self.G + D)
-        theta, _ = nnls(L.T, np.linalg.solve(L, self.b + D @ self.theta0))
-        return theta
+        if self._theta is None:
+            D = np.diag(self.prior_passes * np.maximum(self.scale, 1e-9))
+            # minimise θᵀ(G + D)θ − 2θᵀ(b + Dθ₀) over θ ≥ 0, i.e. ‖Lᵀθ − L⁻¹(b + Dθ₀)‖² with G + D = LLᵀ
+            L = np.linalg.cholesky(self.G + D)
+            self._theta, _ = self._nnls(L.T, np.linalg.solve(L, self.b + D @ self.theta0))
+        return self._theta.copy()
 
     def current(self) -> CostConstants:
         base, token, miss, hit = (float(x) for x in self.coefficients())

@@ -76,15 +76,38 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.min_p > 0:
         keep &= p >= params.min_p * p.max()
     if params.top_p < 1:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        # smallest prefix reaching top_p (a hair of slack so 0.5 + 0.3 "reaches" 0.8 in floats)
-        cutoff = np.searchsorted(cum, params.top_p - 1e-12) + 1
-        nucleus = np.zeros_like(keep)
-        nucleus[order[:cutoff]] = True
-        keep &= nucleus
+        keep[nucleus_outside(p, params.top_p)] = False
     p = np.where(keep, p, 0.0)
     return p / p.sum()
+
+
+def nucleus_outside(p: np.ndarray, top_p: float, first: int = 64) -> np.ndarray:
+    """Mask of the tokens outside the nucleus: the smallest prefix of p in decreasing order (ties by
+    index) whose mass reaches top_p, with a hair of slack so 0.5 + 0.3 "reaches" 0.8 in floats.
+
+    Exactly the prefix a full stable sort gives, without sorting the vocabulary (a stable argsort of
+    6144 float64 took 0.5 ms here, a fifth of a default-model token): sort only the m largest, and
+    accept when the prefix ends inside them, strictly above everything left out (a tie across the
+    boundary could hide an earlier index). The prefix sums are the same additions in the same order,
+    so the same floats. Otherwise m grows to at least what the missing mass needs at the m-th
+    probability, and past a quarter of the vocabulary the full sort is cheaper."""
+    target, n = top_p - 1e-12, p.size
+    m = min(first, n)
+    while True:
+        if 4 * m > n:
+            m, order = n, np.argsort(-p, kind="stable")
+        else:
+            top = np.argpartition(-p, m - 1)[:m]  # the m largest; which of a tie at the m-th, arbitrary
+            order = top[np.lexsort((top, -p[top]))]
+        cum = np.cumsum(p[order])
+        cutoff = int(np.searchsorted(cum, target)) + 1
+        if m == n or (cutoff <= m and p[order[cutoff - 1]] > p[order[-1]]):
+            out = np.ones(n, dtype=bool)
+            out[order[:cutoff]] = False
+            return out
+        last = float(p[order[-1]])  # everything left out is at most this
+        short = (target - float(cum[-1])) / last if last > 0 else n
+        m = int(min(n, max(2 * m, m + 1.25 * short + 1)))
 
 
 class StandardDraws:
