@@ -5,6 +5,12 @@
     python benchmarks/ab.py --label live-vs-stale --a=--no-live-costs --b= --reps 3 --out docs/results/live \
         -- --model WIDENED --methods s2moe --profile P.json --emulate-bandwidth 200 --emulate-latency 300
 
+With ``--run`` each side is one `s2moe run --json` (the main job, with its model's sampling
+defaults), and the figure is the decode tok/s it reports:
+
+    python benchmarks/ab.py --run --label sampling --a-rev OLD --b-rev NEW --reps 6 --out OUT \
+        -- -f PROMPT.txt -n 256 --ignore-eos --budget 0.25
+
 Everything after ``--`` goes to both runs; ``--a`` and ``--b`` add each side's own flags (split
 like a shell line), and ``--a-rev`` / ``--b-rev`` run that side on the code of a git revision (a
 clean copy with the built extension, or one built from its own sources where its kernels
@@ -74,6 +80,21 @@ def bench_once(common: list[str], own: list[str], code: str | None) -> dict[str,
             return {r["name"]: r for r in json.load(f)["records"]}
 
 
+def run_once(common: list[str], own: list[str], code: str | None) -> dict[str, dict]:
+    """One `s2moe run --json` (the main job, decode time as a user sees it): a bench-like record."""
+    head = [sys.executable, "-c", CLI, code] if code else [sys.executable, "-m", "s2moe.runtime.cli"]
+    done = subprocess.run([*head, "run", *common, *own, "--json"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: s2moe run {shlex.join(own)} exited {done.returncode}: "
+                         + (done.stderr.strip().splitlines() or ["no message"])[-1])
+    st = json.loads(done.stdout)["stats"]
+    extra = {"decode_tokens_per_s_aggregate": st["decode_tokens_per_s"], "acceptance_length": st["acceptance_length"],
+             "bytes_fetched_per_token": st.get("bytes_fetched_per_token") or 0,
+             "live_costs": (st.get("live_costs") or {}).get("constants"), "cost_constants": st.get("cost_constants")}
+    params = {"workload": "run", "budget": (st.get("offload") or {}).get("budget"), "n_prompts": 1, "emulation": None}
+    return {st["method"]: {"name": st["method"], "params": params, "extra": extra}}
+
+
 def tok_s(record: dict) -> float:
     """A run's aggregate decode tok/s: all prompts' tokens over all their time."""
     return float(record["extra"]["decode_tokens_per_s_aggregate"])
@@ -90,6 +111,8 @@ def main() -> None:
     ap.add_argument("--b-name", default="B")
     ap.add_argument("--a-rev", help="run side A on this git revision's code")
     ap.add_argument("--b-rev", help="run side B on this git revision's code")
+    ap.add_argument("--run", action="store_true", help="time `s2moe run` (the main job, one prompt, its decode "
+                    "tok/s as it reports them) instead of `s2moe bench`")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", required=True, help="output stem (.json and .csv are added)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -103,7 +126,7 @@ def main() -> None:
                 for name, rev in ((args.a_name, args.a_rev), (args.b_name, args.b_rev))}
         for rep in range(args.reps):
             for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
-                runs[name].append(bench_once(common, sides[name], code[name]))
+                runs[name].append((run_once if args.run else bench_once)(common, sides[name], code[name]))
                 print(f"rep {rep + 1} {name}: " + ", ".join(f"{m} {tok_s(r):.2f} tok/s"
                                                             for m, r in runs[name][-1].items()), file=sys.stderr, flush=True)
     finally:
