@@ -136,6 +136,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         engine.close()
         emulation = engine.emulation.describe() if engine.emulation.active else None
         live_now = decoder.live.current().to_dict() if decoder.live else None
+        guard = decoder.guard.to_dict() if decoder.guard else None  # its state carries across the prompts
         engine = decoder = None  # the next method's engine loads its experts into freed memory
         throughput[name] = tokens / seconds if seconds else 0.0
         records.append(Record(
@@ -154,6 +155,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                    "prefetch": prefetch_counts(start, end),
                    "cost_constants": costs.to_dict() if costs else None,
                    "live_costs": live_now,
+                   "rate_guard": guard,
                    # how well AE's acceptance probabilities matched what verification kept
                    "ae_acceptance": acceptance_summary(*ae),
                    # FR-Spec: the share of emitted tokens the draft head could have proposed

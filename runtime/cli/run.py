@@ -36,6 +36,7 @@ def run(
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     prefetch_slots: Optional[int] = typer.Option(None, "--prefetch-slots", min=0, help="Prefetches in flight at most (default 2 × top-k under a budget); each takes its room in the expert cache."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the profile's (or start-up) cost constants fixed instead of following the passes this run makes."),
+    no_rate_guard: bool = typer.Option(False, "--no-rate-guard", help="AE keeps speculating even where speculation is measured slower than AR steps (the guard needs live costs)."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=0, help="FR-Spec: the draft's lm head covers only the N most frequent tokens of the model's token_ranks.json (0 = all; default: the profile's, else 0); verification keeps the full head, so the output is unchanged."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model; write one with s2moe vocab)."),
@@ -91,7 +92,7 @@ def run(
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch, prefetch_slots=prefetch_slots,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
-                                 ae_lookahead=ae_lookahead)
+                                 ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
             check_draft_vocab(loaded, settings, draft_vocab)
         tok = load_tokenizer(loaded, tokenizer)
@@ -177,7 +178,7 @@ def live_report(decoder, profile_path: str | None, passes_path: str | None = Non
         say(f"note: this run's costs drifted from {profile_path} ({worst} {moved[worst]:+.0%}; now "
             f"{describe_costs(live.current())}); refresh it: " + refresh_command(profile_path, passes_path), "yellow")
     return {"constants": live.current().to_dict(), "drift": {k: round(v, 4) for k, v in drift.items()},
-            "verify_passes": live.passes}
+            "verify_passes": live.passes, **({"rate_guard": decoder.guard.to_dict()} if decoder.guard else {})}
 
 
 def refresh_command(profile_path: str, passes_path: str | None) -> str:

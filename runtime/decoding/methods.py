@@ -78,6 +78,9 @@ class SpecSettings:
     # AE: after an iteration that admits nothing, run 1, 2, 4 … (≤ 16) plain AR steps before drafting
     # again, so a draft that cannot pay for itself stops costing a draft pass per token
     backoff: bool = True
+    # AE with live costs: take AR steps while speculation emits tokens more slowly than AR steps do,
+    # as measured (rate_guard.py); its prices miss costs no single token carries
+    rate_guard: bool = True
     # the draft uses only resident experts (under a budget): it never waits on the slow tier. A
     # token whose draft choices are all absent takes the best resident expert ("best") or skips
     # the layer's experts ("skip")

@@ -29,6 +29,7 @@ class SpecMetrics:
     ar_steps: int = 0
     empty_drafts: int = 0
     backoff_steps: int = 0  # AR steps taken while AE backs off
+    guard_steps: int = 0  # AR steps the rate guard took (speculation measured slower than AR)
     draft_passes: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -80,6 +81,7 @@ class SpecMetrics:
             "mean_draft_length": round(self.drafted / self.verifications, 4) if self.verifications else 0.0,
             "empty_drafts": self.empty_drafts,
             "backoff_steps": self.backoff_steps,
+            "guard_steps": self.guard_steps,
             "draft_passes": self.draft_passes,
             "reuse_ratio": round(float(np.mean(self.reuse_ratios)), 4) if self.reuse_ratios else None,
             "effective_verification_cost": round(float(np.mean(self.effective_costs)), 4) if self.effective_costs else None,

@@ -22,6 +22,7 @@ import numpy as np
 
 from .cost_model import CostConstants
 from .live_costs import LiveCosts
+from .rate_guard import RateGuard
 from ..engine import phase_of
 from .generate import GenerationResult
 from .gating import ReuseGating, preferred_set
@@ -75,6 +76,8 @@ class SpeculativeDecoder:
         c = model.config
         self.model, self.method, self.costs, self.params = model, method, costs, params
         self.live = LiveCosts(costs) if live else None
+        # speculation only while it is measured faster than AR steps (follows the clock: live runs only)
+        self.guard = RateGuard() if live and settings.rate_guard and method.admit == "utility" else None
         self.settings = settings.validate(c.top_k, c.num_experts)
         self.top_k = c.top_k
         self.cache = model.experts
@@ -188,6 +191,9 @@ class SpeculativeDecoder:
         if m.admit == "utility" and s.backoff and self._skip > 0:
             self._skip -= 1
             self.metrics.backoff_steps += 1
+            return 0
+        if self.guard is not None and not self.guard.speculate():
+            self.metrics.guard_steps += 1
             return 0
         if m.admit == "cascade":
             return self._cascade_k if self._cascade_k is not None else s.draft_cap
@@ -457,6 +463,8 @@ class SpeculativeDecoder:
                 self.metrics.ar_steps += 1
                 done = emit([sample(logits[-1], self.params, draws, len(out))])
                 self._cascade_observe(length, 1, time.perf_counter() - started)
+                if self.guard is not None:
+                    self.guard.observe(False, 1, time.perf_counter() - started)
                 continue
             history = prompt + out
             feed = history[draft_kv.filled:] if not m.share_kv else [root]
@@ -491,6 +499,8 @@ class SpeculativeDecoder:
                 draft_kv.commit(draft_kv.filled)
             done = emit(accepted + [nxt])
             self._cascade_observe(length, len(accepted) + 1, time.perf_counter() - started)
+            if self.guard is not None:
+                self.guard.observe(True, len(accepted) + 1, time.perf_counter() - started)
         decode = time.perf_counter() - t1
         if self.draft_head is not None:  # which emitted tokens the draft head could have proposed
             self.metrics.draft_vocab = self.draft_head.size

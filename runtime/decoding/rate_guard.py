@@ -1,0 +1,84 @@
+"""A guard on measured speed: AE speculates only while speculation emits tokens faster than AR steps.
+
+AE admits a draft token when its priced utility U = p·T_AR / (ΔC_ver + C_draft) reaches the
+threshold, but those prices leave out costs no single token carries: the root draft pass of every
+verification, lookahead tokens drafted and dropped, the interpreter between passes. Where they make
+speculation slower than plain steps (the embedded model with every expert resident, on this CPU:
+about 0.8× AR), AE alone keeps paying for it. The guard keeps what each way of stepping actually
+cost, in seconds per emitted token, and when speculation is the slower one it takes AR steps for a
+hold that doubles each time a probe finds speculation still slower (4, 8, … 64 steps). AR steps stay
+measured: natural ones (AE's back-off, the holds), and one probe after ``probe_every`` speculative
+iterations without any.
+
+It follows the clock, so it runs only with live cost constants (runs whose constants are fixed
+make the same decisions on any machine, and keep doing so).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class _Rate:
+    """Exponentially weighted seconds per token over observations (whole iterations)."""
+
+    def __init__(self, decay: float):
+        self.decay, self.seconds, self.tokens, self.n = decay, 0.0, 0.0, 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.seconds = self.seconds * self.decay + seconds
+        self.tokens = self.tokens * self.decay + tokens
+        self.n += 1
+
+    @property
+    def value(self) -> float:
+        return self.seconds / self.tokens if self.tokens > 0 else math.inf
+
+
+class RateGuard:
+    BASE_HOLD = 4
+
+    def __init__(self, half_life: float = 6.0, margin: float = 0.05, min_spec: int = 8, min_ar: int = 4,
+                 probe_every: int = 32, max_hold: int = 64):
+        decay = 0.5 ** (1.0 / half_life)
+        self.spec, self.ar = _Rate(decay), _Rate(decay)
+        self.margin, self.min_spec, self.min_ar = margin, min_spec, min_ar
+        self.probe_every, self.max_hold = probe_every, max_hold
+        self.hold, self.next_hold, self.since_ar = 0, self.BASE_HOLD, 0
+        self.holds = self.held_steps = self.probes = 0
+
+    def speculate(self) -> bool:
+        """Once per iteration: False means take an AR step (a hold, or a probe of AR's speed)."""
+        if self.hold > 0:
+            self.hold -= 1
+            self.held_steps += 1
+            return False
+        if self.since_ar >= self.probe_every:
+            self.probes += 1
+            self.since_ar = 0
+            return False
+        return True
+
+    def observe(self, speculated: bool, tokens: int, seconds: float) -> None:
+        """An iteration emitted ``tokens`` in ``seconds``: a speculative one (drafted, verified) or
+        an AR step (whatever took it: the guard, AE's back-off)."""
+        if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        if not speculated:
+            self.ar.observe(tokens, seconds)
+            self.since_ar = 0
+            return
+        self.spec.observe(tokens, seconds)
+        self.since_ar += 1
+        if self.spec.n < self.min_spec or self.ar.n < self.min_ar:
+            return
+        if self.spec.value > self.ar.value * (1.0 + self.margin):
+            self.hold, self.holds = self.next_hold, self.holds + 1
+            self.next_hold = min(2 * self.next_hold, self.max_hold)
+        elif self.spec.value <= self.ar.value:
+            self.next_hold = self.BASE_HOLD
+
+    def to_dict(self) -> dict:
+        finite = lambda v: round(v * 1e3, 4) if math.isfinite(v) else None  # noqa: E731
+        return {"holds": self.holds, "held_steps": self.held_steps, "probes": self.probes,
+                "ms_per_token": {"speculative": finite(self.spec.value), "ar": finite(self.ar.value)}}

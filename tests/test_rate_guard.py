@@ -1,0 +1,120 @@
+"""The rate guard (runtime/decoding/rate_guard.py): AE takes AR steps while speculation is measured
+slower per emitted token, with holds that double while probes keep losing, and keeps measuring AR.
+On synthetic clocks, then inside a decoder (greedy text stays AR's)."""
+
+from __future__ import annotations
+
+import pytest
+
+from s2moe.runtime.decoding.cost_model import CostConstants
+from s2moe.runtime.decoding.generate import generate_ar
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.decoding.rate_guard import RateGuard
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+from s2moe.runtime.engine import build_engine
+
+
+def _drive(guard: RateGuard, iterations: int, spec_ms: float, ar_ms: float, spec_tokens: int = 3) -> list[bool]:
+    """Run the guard's loop on a clock where a speculative iteration emits ``spec_tokens`` at
+    ``spec_ms`` per token and an AR step one token in ``ar_ms``: which iterations speculated."""
+    out = []
+    for _ in range(iterations):
+        s = guard.speculate()
+        out.append(s)
+        if s:
+            guard.observe(True, spec_tokens, spec_tokens * spec_ms / 1e3)
+        else:
+            guard.observe(False, 1, ar_ms / 1e3)
+    return out
+
+
+def _warm(guard: RateGuard) -> None:
+    """The evidence the guard waits for: a few AR steps (AE's back-off takes such) and speculative
+    iterations, all at the same speed, so nothing is decided yet."""
+    for _ in range(guard.min_ar):
+        guard.observe(False, 1, 1e-3)
+    for _ in range(guard.min_spec - 1):
+        guard.observe(True, 3, 3e-3)
+    assert guard.hold == 0
+
+
+def test_slower_speculation_is_held_off_with_doubling_holds_and_probed():
+    g = RateGuard()
+    _warm(g)
+    steps = _drive(g, 200, spec_ms=2.0, ar_ms=1.0)  # speculation at half AR's speed
+    runs, n = [], 0
+    for s in steps:  # lengths of the AR stretches between speculative probes
+        if s:
+            if n:
+                runs.append(n)
+            n = 0
+        else:
+            n += 1
+    assert runs[:5] == [4, 8, 16, 32, 64] and set(runs[5:]) <= {64}
+    assert sum(steps) <= 10  # about one probe per hold: speculation is nearly gone
+    assert g.holds == sum(steps) and g.held_steps == len(steps) - sum(steps)
+
+
+def test_faster_speculation_is_left_alone_apart_from_rare_ar_probes():
+    g = RateGuard()
+    _warm(g)
+    steps = _drive(g, 200, spec_ms=0.5, ar_ms=1.0)
+    assert g.holds == 0 and g.held_steps == 0
+    assert len(steps) - sum(steps) == g.probes == 200 // (g.probe_every + 1)  # one AR step per 32 iterations
+
+
+def test_a_probe_that_wins_again_ends_the_holds_and_resets_their_length():
+    g = RateGuard(half_life=1.0)  # short memory: one fast probe turns the estimate
+    _warm(g)
+    _drive(g, 40, spec_ms=2.0, ar_ms=1.0)
+    assert g.next_hold > RateGuard.BASE_HOLD
+    steps = _drive(g, 200, spec_ms=0.3, ar_ms=1.0)  # two probes turn it: one long hold between
+    assert steps[-40:].count(False) <= 2 and g.next_hold == RateGuard.BASE_HOLD  # AR probes only
+
+
+def test_nothing_is_decided_without_evidence_on_both_sides():
+    g = RateGuard()
+    steps = _drive(g, g.probe_every, spec_ms=5.0, ar_ms=1.0)  # slow, but no AR step measured yet
+    assert all(steps) and g.holds == 0
+    assert _drive(g, 1, spec_ms=5.0, ar_ms=1.0) == [False] and g.probes == 1  # AR is probed
+
+
+@pytest.mark.parametrize("tokens,seconds", [(0, 1e-3), (1, 0.0), (1, float("nan")), (1, -1.0)])
+def test_observations_that_measure_nothing_are_ignored(tokens, seconds):
+    g = RateGuard()
+    g.observe(True, tokens, seconds)
+    g.observe(False, tokens, seconds)
+    assert g.spec.n == g.ar.n == 0
+
+
+class _SlowSpeculation(RateGuard):
+    """A clock on which speculation is 3× slower per token than AR steps, whatever the machine."""
+
+    def __init__(self):
+        super().__init__(min_spec=2, min_ar=1, probe_every=3)
+
+    def observe(self, speculated, tokens, seconds):
+        super().observe(speculated, tokens, (3e-3 if speculated else 1e-3) * tokens)
+
+
+def test_a_guarded_decoder_keeps_the_greedy_text_and_takes_ar_steps(tiny_model_dirs):
+    """Without gating the guard's AR steps and the probes between them give AR's tokens; the guard
+    exists only with live costs, and only for AE."""
+    engine = build_engine(tiny_model_dirs["olmoe"][1], "0.25")
+    eager = CostConstants(t_ar=50.0, c_draft=0.002, t_exp_miss=0.001, t_exp_hit=0.0002)
+    spec = get_method("s2moe", reuse_gating=False)
+    settings = SpecSettings(draft_topk=1, draft_cap=5)
+    prompt = [5, 17, 99, 3]
+    expected = generate_ar(engine.model, prompt, 40).tokens
+    dec = SpeculativeDecoder(engine.model, spec, settings, eager, live=True)
+    assert isinstance(dec.guard, RateGuard)
+    dec.guard = _SlowSpeculation()
+    got = dec.generate(prompt, 40)
+    assert got.tokens == expected
+    assert got.metrics.guard_steps > 0 and got.metrics.verifications > 0 and got.metrics.accepted > 0
+    assert dec.guard.holds > 0 and got.stats()["guard_steps"] == got.metrics.guard_steps
+    assert SpeculativeDecoder(engine.model, spec, settings, eager).guard is None  # fixed constants
+    assert SpeculativeDecoder(engine.model, spec, SpecSettings(draft_topk=1, rate_guard=False), eager,
+                              live=True).guard is None
+    assert SpeculativeDecoder(engine.model, get_method("ca", reuse_gating=False), settings, eager,
+                              live=True).guard is None  # a fixed-length baseline: not AE
