@@ -90,7 +90,8 @@ def run_once(common: list[str], own: list[str], code: str | None) -> dict[str, d
     st = json.loads(done.stdout)["stats"]
     extra = {"decode_tokens_per_s_aggregate": st["decode_tokens_per_s"], "acceptance_length": st["acceptance_length"],
              "bytes_fetched_per_token": st.get("bytes_fetched_per_token") or 0,
-             "live_costs": (st.get("live_costs") or {}).get("constants"), "cost_constants": st.get("cost_constants")}
+             "live_costs": (st.get("live_costs") or {}).get("constants"), "cost_constants": st.get("cost_constants"),
+             "rate_guard": (st.get("live_costs") or {}).get("rate_guard")}
     params = {"workload": "run", "budget": (st.get("offload") or {}).get("budget"), "n_prompts": 1, "emulation": None}
     return {st["method"]: {"name": st["method"], "params": params, "extra": extra}}
 
@@ -147,6 +148,7 @@ def main() -> None:
                        "mb_fetched_per_token": [r["extra"].get("bytes_fetched_per_token", 0) / 1e6 for r in recs],
                        "ms_per_token": [r["extra"].get("ms_per_token") for r in recs],
                        "prefetch": [r["extra"].get("prefetch") for r in recs],
+                       "rate_guard": [r["extra"].get("rate_guard") for r in recs],
                        "constants_at_end": [r["extra"].get("live_costs") or r["extra"].get("cost_constants")
                                             for r in recs],
                        f"{b}_over_{a}": ratios if name == b else None}))
