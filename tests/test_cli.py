@@ -229,6 +229,28 @@ def test_bench_takes_the_truncations_run_takes(tiny_model_dirs, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--top-p" in r.stderr.strip().splitlines()[-1], r.stderr
 
 
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_no_rate_guard_reaches_the_decoder(command, tiny_model_dirs, tmp_path):
+    """The guard runs with live costs (the default) and reports its counts; --no-rate-guard removes it."""
+    _, folder, _ = tiny_model_dirs["olmoe"]
+    workload = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
+
+    def guard(*flags):
+        if command == "run":
+            r = s2moe("run", "-m", folder, "--prompt", "x y", "-n", "6", "-t", "0", "--json", *flags)
+            assert r.returncode == 0, r.stderr
+            return (json.loads(r.stdout)["stats"]["live_costs"] or {}).get("rate_guard")
+        out = tmp_path / f"g{len(flags)}.json"
+        r = s2moe("bench", "-m", folder, "-w", workload, "--methods", "s2moe", "--n-prompts", "1", "--max-tokens", "6",
+                  "--json", str(out), *flags)
+        assert r.returncode == 0, r.stderr
+        return json.loads(out.read_text())["records"][0]["rate_guard"]
+
+    on = guard()
+    assert set(on) == {"holds", "held_steps", "probes", "ms_per_token"}
+    assert guard("--no-rate-guard") is None
+
+
 def test_runtime_never_imports_torch_or_transformers():
     code = ("import sys\nfrom s2moe.runtime.cli import app\nimport s2moe.calib.cli\n"
             "from typer.testing import CliRunner\n"

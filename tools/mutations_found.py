@@ -137,8 +137,8 @@ FOUND: list[Mutation] = [
              '                if True:\n',
              ['tests/test_draft_residency.py', '-k', 'slots'], 'a prefetch marks its expert available in every layer'),
     Mutation('bench-seed-ignored', 'runtime/cli/bench.py',
-             'params = SamplingParams(temperature=temperature, seed=seed, sampler=sampler)',
-             'params = SamplingParams(temperature=temperature, sampler=sampler)',
+             'min_p=min_p, seed=seed, sampler=sampler)',
+             'min_p=min_p, sampler=sampler)',
              ['tests/test_cli.py', '-k', 'sampled_bench'], 's2moe bench --seed ignored'),
     Mutation("lfu-half-life-64", "runtime/offload/cache.py", "def __init__(self, half_life: float = 512.0):",
              "def __init__(self, half_life: float = 64.0):", ["tests/test_cache_policy.py"],
@@ -565,8 +565,8 @@ FOUND += [
              ["tests/test_draft_head.py", "-k", "coverage"], "coverage reported as 100 %"),
     # -- the live fit's non-negativity (session 2026-12-02: a clip after the solve kept a 9-14 ms miss price) --
     Mutation("live-fit-clipped", "runtime/decoding/live_costs.py",
-             "        theta, _ = nnls(L.T, np.linalg.solve(L, self.b + D @ self.theta0))\n        return theta",
-             "        return np.maximum(np.linalg.solve(self.G + D, self.b + D @ self.theta0), 0.0)",
+             "            self._theta, _ = self._nnls(L.T, np.linalg.solve(L, self.b + D @ self.theta0))",
+             "            self._theta = np.maximum(np.linalg.solve(self.G + D, self.b + D @ self.theta0), 0.0)",
              ["tests/test_live_costs.py"], "the live fit solved without the constraint, then clipped at 0"),
     # the kernels' thread pool (csrc/cpu/pool.c; mutate.py rebuilds the copy's extension for these)
     Mutation("pool-caller-leaves-chunks", "csrc/cpu/pool.c", "    take_chunks();\n    int spins = 0;",
