@@ -67,7 +67,9 @@ def test_router_matches_torch(extra_dirs, family, rng):
     assert len(captured) == len(model.config.moe_layer_ids)
     for L, (logits, weights, experts) in zip(model.config.moe_layer_ids, captured):
         ours = record.layers[L]
-        np.testing.assert_allclose(ours.logits, logits.numpy(), atol=TOL, rtol=0)
+        # router logits run ≈4× the final logits' scale (RMS 3.9–4.6): TOL in units of their RMS
+        scale = max(1.0, float(np.sqrt(np.mean(logits.numpy().astype(np.float64) ** 2))))
+        np.testing.assert_allclose(ours.logits, logits.numpy(), atol=TOL * scale, rtol=0)
         theirs = experts.numpy()
         order_t, order_o = np.argsort(theirs, -1), np.argsort(ours.experts, -1)
         assert np.array_equal(np.take_along_axis(theirs, order_t, -1), np.take_along_axis(ours.experts, order_o, -1))
