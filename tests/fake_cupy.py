@@ -463,7 +463,7 @@ def _make_module() -> types.ModuleType:
         return call
 
     for name in ("zeros", "zeros_like", "where", "exp", "mean", "sqrt", "maximum", "minimum", "clip",
-                 "concatenate", "ascontiguousarray", "stack", "repeat"):
+                 "concatenate", "ascontiguousarray", "stack", "repeat", "abs", "rint", "matmul"):
         setattr(m, name, delegate(name))
     for name in ("empty", "empty_like"):  # an allocation, no kernel
         setattr(m, name, delegate(name, ops=0))

@@ -252,33 +252,78 @@ def default_q8_gguf(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("which", ["F16 safetensors", "Q8_0 gguf"])
-def test_model_on_kernels_matches_the_numpy_reference(which, default_q8_gguf):
+@pytest.mark.parametrize("which", ["F16 safetensors", "Q8_0 gguf, float activations", "Q8_0 gguf"])
+def test_model_on_kernels_matches_the_numpy_reference(which, default_q8_gguf, monkeypatch):
     """The embedded model (F16) and its Q8_0 export: logits of a prefill and of decode steps within
-    1e-3 of the reference path (measured 1.1e-6 relative), and the same greedy tokens."""
+    1e-3 of the reference path (measured 1.1e-6 relative), and the same greedy tokens.
+
+    With int8 activations (the default for Q8_0) both paths quantise alike, but a code is a rounding
+    of x / d: where float32 noise of 1e-7 between the paths (attention, norms) sits on a .5 boundary,
+    one code differs by 1 and the product by d · |w|. Measured 2.0–2.8e-3 relative, so 2e-2, and the
+    top token of at least 95 % of the positions (measured: all)."""
     from s2moe.runtime.cli.common import DEFAULT_MODEL
     from s2moe.runtime.decoding.generate import generate_ar
     from s2moe.runtime.model.forward import MoEModel
     from s2moe.runtime.model.loader import load_model
 
+    int8 = which == "Q8_0 gguf"
+    if "float" in which:
+        monkeypatch.setenv("S2MOE_FLOAT_ACTIVATIONS", "1")
     loaded = load_model(str(DEFAULT_MODEL) if which.startswith("F16") else default_q8_gguf)
     kinds = {"dense": {loaded.dense["layers.0.q"].dtype}, "experts": {loaded.experts[0, 0].gate.dtype}}
     assert kinds == ({"dense": {"F16"}, "experts": {"F16"}} if which.startswith("F16")
                      else {"dense": {"Q8_0"}, "experts": {"Q8_0"}})
     ids = list(range(300, 340))
     fast, slow = MoEModel(loaded, ops=cpu.CpuOps()), MoEModel(loaded, ops=ReferenceOps())
+    assert fast.ops.int8_activations == ("float" not in which)  # F16 rows never quantise activations
     for model in (fast, slow):
         model.kv = model.new_cache(64)
-    a, _ = fast.forward(ids, fast.kv, logits="all")
-    b, _ = slow.forward(ids, slow.kv, logits="all")
-    assert rel_err(a, b) <= 1e-3
-    for t in (5, 9, 11):
-        a, _ = fast.forward([t], fast.kv)
-        b, _ = slow.forward([t], slow.kv)
-        assert rel_err(a, b) <= 1e-3
-    greedy = [generate_ar(m, ids[:12], 32).tokens for m in (MoEModel(loaded, ops=cpu.CpuOps()),
-                                                            MoEModel(loaded, ops=ReferenceOps()))]
-    assert greedy[0] == greedy[1]
+    pairs = [tuple(m.forward(ids, m.kv, logits="all")[0] for m in (fast, slow))]
+    pairs += [tuple(m.forward([t], m.kv)[0] for m in (fast, slow)) for t in (5, 9, 11)]
+    for a, b in pairs:
+        assert rel_err(a, b) <= (2e-2 if int8 else 1e-3)
+    same_top = np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in pairs]))
+    assert same_top >= (0.95 if int8 else 1.0)
+    if not int8:
+        greedy = [generate_ar(m, ids[:12], 32).tokens for m in (MoEModel(loaded, ops=cpu.CpuOps()),
+                                                                MoEModel(loaded, ops=ReferenceOps()))]
+        assert greedy[0] == greedy[1]
+
+
+def test_int8_activations_quantise_like_the_reference_and_cost_little(rng):
+    """The kernels' activation codes are the reference's bit for bit (a product that differs by
+    one code in a block shows up at 1e-3, far above REL); against float activations the result
+    moves by the rounding, a few parts per thousand (measured 3.7–5.0e-3 of the largest output)."""
+    from s2moe import _cpu
+    from s2moe.runtime.kernels.stored import quantize_activations
+
+    K = 1024
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    x[2, :32] = [127.0] + [v + 0.5 for v in range(-15, 16)]  # d = 1: every other code a tie at .5
+    q, d = quantize_activations(np, x)
+    assert np.all(q[0, 0] == 0) and d[0, 0] == 0 and np.abs(q).max() <= 127
+    assert d[2, 0] == 1 and q[2, 0, 1:].tolist() == [float(np.rint(v + 0.5)) for v in range(-15, 16)]  # half to even
+    for dtype in ("Q8_0", "Q4_0"):
+        W = random_matrix(rng, dtype, 96, K)
+        want = ReferenceOps().linear(x, W)
+        for simd in (True, False):
+            if simd and not _cpu.use_simd(True):
+                continue
+            _cpu.use_simd(simd)
+            got = np.empty((3, 96), np.float32)
+            _cpu.matmul(W.data, W.type_id, 96, K, x, got)
+            assert rel_err(got, want) <= REL, (dtype, simd)
+        _cpu.use_simd(True)
+        exact = x @ W.dequantize().T
+        assert 1e-4 < rel_err(want[:2], exact[:2]) < 2e-2, dtype  # the rounding, and only that (random rows)
+        _cpu.act_q8(0)
+        try:
+            got = np.empty((3, 96), np.float32)
+            _cpu.matmul(W.data, W.type_id, 96, K, x, got)
+            assert rel_err(got, exact) <= REL  # float activations on request
+        finally:
+            _cpu.act_q8(1)
 
 
 @pytest.fixture(scope="module")

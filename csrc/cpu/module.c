@@ -293,6 +293,12 @@ static PyObject *py_use_simd(PyObject *self, PyObject *args) {
     return PyBool_FromLong(dot_use_simd(want));
 }
 
+static PyObject *py_act_q8(PyObject *self, PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|i", &on)) return NULL;
+    return PyBool_FromLong(dot_act_q8(on < 0 ? -1 : on != 0));
+}
+
 static PyObject *py_path(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(dot_path()); }
 
 static PyObject *py_row_bytes(PyObject *self, PyObject *args) {
@@ -312,6 +318,7 @@ static PyMethodDef methods[] = {
     {"threads", py_threads, METH_NOARGS, "threads in use"},
     {"hold_workers", py_hold_workers, METH_VARARGS, "hold_workers(on): tests; workers wait before joining a job while on"},
     {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},
+    {"act_q8", py_act_q8, METH_VARARGS, "act_q8([on]) -> whether Q8_0 / Q4_0 rows meet int8 activations (the default)"},
     {"path", py_path, METH_NOARGS, "the code path in use: avx2+fma+f16c or portable"},
     {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(type, K): bytes of one stored row (0: not whole blocks)"},
     {NULL, NULL, 0, NULL},

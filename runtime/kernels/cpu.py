@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from .reference import ReferenceOps
-from .stored import StoredMatrix
+from .stored import StoredMatrix, int8_activations
 
 try:
     from s2moe import _cpu
@@ -62,6 +62,7 @@ class CpuOps(ReferenceOps):
             raise RuntimeError(f"the CPU kernels are not built ({IMPORT_ERROR})")
         self.threads = _cpu.set_threads(threads or default_threads())
         self.path = _cpu.path()
+        self.int8_activations = _cpu.act_q8(1 if int8_activations() else 0)  # the reference's choice, read now
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         if x.dtype != np.float32 or not x.flags.c_contiguous or weight.ndim != 1 or x.shape[-1] != weight.size:

@@ -2,14 +2,15 @@
 when the extension is missing.
 
 A stored matrix is decoded a few MiB of rows at a time (bounded scratch, so the memory plan holds on
-this path too) and multiplied with BLAS; float32 arrays go straight to BLAS.
+this path too) and multiplied with BLAS; float32 arrays go straight to BLAS. Q8_0 and Q4_0 rows meet
+activations quantised to int8 blocks, as the compiled kernels do (stored.int8_activations).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .stored import StoredMatrix
+from .stored import INT8_ACTIVATION_TYPES, StoredMatrix, int8_activations, int8_product, quantize_activations
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -74,7 +75,13 @@ class ReferenceOps:
             return _plus(x @ W.dequantize().T, bias)
         from .backend import xp_of
 
-        y = xp_of(x).empty((x.shape[0], W.shape[0]), dtype=np.float32)
+        xp = xp_of(x)
+        y = xp.empty((x.shape[0], W.shape[0]), dtype=np.float32)
+        if W.dtype in INT8_ACTIVATION_TYPES and int8_activations():  # codes meet codes, as the kernels do
+            xq, dx = quantize_activations(xp, x)
+            for rows, codes, dw in W.code_chunks(x.shape[0]):
+                y[:, rows] = int8_product(xp, xq, dx, codes, dw)
+            return _plus(y, bias)
         for rows, w in W.chunks():
             y[:, rows] = x @ w.T
         return _plus(y, bias)

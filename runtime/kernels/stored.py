@@ -10,6 +10,7 @@ Types without a kernel (Q5_K, Q6_K, …) are decoded once at load into F32 and c
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,16 @@ BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0"
           "MXFP4": (32, 17)}
 # Reference decoding reads at most this many bytes of float32 at a time (bounded scratch)
 _CHUNK_BYTES = 4 << 20
+# Rows of these types meet activations quantised to int8 blocks of 32, as in llama.cpp's CPU
+# backend (csrc/cpu/dot.c says how, and why: 1.6x at one token)
+INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0")
+
+
+def int8_activations() -> bool:
+    """Whether Q8_0 / Q4_0 products quantise their activations (the default, on both the compiled
+    and the reference path); S2MOE_FLOAT_ACTIVATIONS=1 keeps float32 activations, as the tests that
+    hold a GGUF's layout to transformers on dequantised weights need."""
+    return os.environ.get("S2MOE_FLOAT_ACTIVATIONS", "") not in ("1", "true", "yes")
 
 
 def kernel_type(dtype: str, row_len: int) -> bool:
@@ -100,8 +111,21 @@ class StoredMatrix:
             rows = slice(r, min(N, r + step))
             yield rows, self.dequantize(rows)
 
+    def code_chunks(self, tokens: int):
+        """(row slice, codes [n, G, 32], scales [n, G]) of Q8_0 / Q4_0 rows, bounded like `chunks`."""
+        yield from _code_chunks(np, self.data, self.dtype, self.shape, tokens)
+
     def __repr__(self) -> str:
         return f"StoredMatrix({self.dtype}, {list(self.shape)}, {self.nbytes} bytes)"
+
+
+def _code_chunks(xp, data, dtype: str, shape, tokens: int):
+    N, K = shape
+    raw = data.reshape(N, row_bytes(dtype, K))
+    step = max(1, _CHUNK_BYTES // (4 * K * max(1, tokens)))  # the per-group sums are [G, T, n]
+    for r in range(0, N, step):
+        rows = slice(r, min(N, r + step))
+        yield (rows, *decode_codes(xp, dtype, raw[rows], K))
 
 
 # -- block decoding on any array namespace (NumPy or CuPy) -------------------------------------------
@@ -155,6 +179,39 @@ def decode_rows(xp, dtype: str, raw, K: int):
     raise ValueError(f"no block decoder for {dtype}")
 
 
+def decode_codes(xp, dtype: str, raw, K: int):
+    """uint8 [n, row_bytes] of Q8_0 / Q4_0 rows → (codes, scales): float32 [n, G, 32] holding the
+    signed integer codes (Q4_0: nibble − 8), float32 [n, G] the blocks' scales."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, K // 32, BLOCKS[dtype][1])
+    scales = _f16(xp, blocks[..., :2])[..., 0]
+    if dtype == "Q8_0":
+        return xp.ascontiguousarray(blocks[..., 2:]).view(xp.int8).astype(xp.float32), scales
+    if dtype == "Q4_0":
+        qs = blocks[..., 2:]
+        return xp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(xp.float32) - 8.0, scales
+    raise ValueError(f"{dtype} rows do not meet int8 activations")
+
+
+def quantize_activations(xp, x):
+    """float32 [T, K] → (codes float32 [T, G, 32], scales float32 [T, G]), rounded exactly as
+    csrc/cpu/dot.c does: d = max|x| / 127 and q = round-half-even(x · (1/d)), each in float32."""
+    T, K = x.shape
+    blocks = x.reshape(T, K // 32, 32).astype(xp.float32, copy=False)
+    d = (xp.abs(blocks).max(axis=-1) / xp.float32(127.0)).astype(xp.float32)
+    inv = (xp.float32(1.0) / xp.where(d > 0, d, xp.float32(1.0))).astype(xp.float32)
+    inv = xp.where(d > 0, inv, xp.float32(0.0))
+    return xp.rint(blocks * inv[..., None]), d
+
+
+def int8_product(xp, xq, dx, codes, dw):
+    """[T, n]: Σ over blocks of (d_w · d_x) · Σ code · code. The block sums are exact in float32
+    (at most 32 · 128 · 127 < 2^24), so BLAS computes them; the blocks are added in float64."""
+    isum = xp.matmul(xq.transpose(1, 0, 2), codes.transpose(1, 2, 0))  # [G, T, n]
+    scale = dx.T[:, :, None] * dw.T[:, None, :]  # float32, as the kernel's d_w · d_x
+    return (scale * isum).astype(xp.float64).sum(axis=0).astype(xp.float32)
+
+
 @dataclass(frozen=True, eq=False)
 class DeviceStored:
     """A `StoredMatrix` whose bytes live on a device (uint8 array of the backend's module)."""
@@ -191,3 +248,6 @@ class DeviceStored:
         for r in range(0, N, step):
             rows = slice(r, min(N, r + step))
             yield rows, self.dequantize(rows)
+
+    def code_chunks(self, tokens: int):
+        yield from _code_chunks(self.xp, self.data, self.dtype, self.shape, tokens)
