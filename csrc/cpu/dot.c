@@ -244,21 +244,23 @@ INLINE_AVX2 void row_tmpl(const int TYPE, const int NB, const uint8_t *row, long
     }
 }
 
-/* Rows outside, tokens inside: each row is read from memory once for the whole batch. */
-#define ROWS_FN(NAME, TYPE)                                                                         \
-    AVX2 static void NAME(const uint8_t *W, size_t rb, long K, long r0, long r1, const float *const *xs, \
+/* Rows outside, tokens inside: each row is read from memory once for the whole batch. ROW is
+ * row_tmpl (float tokens, their group sums) or row_q8act (int8 tokens, their scales). */
+#define ROWS_OF(NAME, ROW, TYPE, XT)                                                                \
+    AVX2 static void NAME(const uint8_t *W, size_t rb, long K, long r0, long r1, XT xs,            \
                           const float *const *xsum, float *const *ys, int nb) {                     \
         for (long r = r0; r < r1; r++) {                                                            \
             const uint8_t *row = W + (size_t)r * rb;                                                \
             int t = 0;                                                                              \
-            for (; t + 4 <= nb; t += 4) row_tmpl(TYPE, 4, row, K, xs + t, xsum + t, ys + t, r);    \
+            for (; t + 4 <= nb; t += 4) ROW(TYPE, 4, row, K, xs + t, xsum + t, ys + t, r);          \
             switch (nb - t) {                                                                       \
-            case 1: row_tmpl(TYPE, 1, row, K, xs + t, xsum + t, ys + t, r); break;                  \
-            case 2: row_tmpl(TYPE, 2, row, K, xs + t, xsum + t, ys + t, r); break;                  \
-            case 3: row_tmpl(TYPE, 3, row, K, xs + t, xsum + t, ys + t, r); break;                  \
+            case 1: ROW(TYPE, 1, row, K, xs + t, xsum + t, ys + t, r); break;                       \
+            case 2: ROW(TYPE, 2, row, K, xs + t, xsum + t, ys + t, r); break;                       \
+            case 3: ROW(TYPE, 3, row, K, xs + t, xsum + t, ys + t, r); break;                       \
             }                                                                                       \
         }                                                                                           \
     }
+#define ROWS_FN(NAME, TYPE) ROWS_OF(NAME, row_tmpl, TYPE, const float *const *)
 
 ROWS_FN(rows_f32, T_F32)
 ROWS_FN(rows_f16, T_F16)
@@ -327,23 +329,8 @@ INLINE_AVX2 void row_q8act(const int TYPE, const int NB, const uint8_t *row, lon
     for (int t = 0; t < NB; t++) ys[t][r] = hsum(a[t]);
 }
 
-#define ROWS_Q8ACT_FN(NAME, TYPE)                                                                   \
-    AVX2 static void NAME(const uint8_t *W, size_t rb, long K, long r0, long r1, const int8_t *const *qs,  \
-                          const float *const *ds, float *const *ys, int nb) {                       \
-        for (long r = r0; r < r1; r++) {                                                            \
-            const uint8_t *row = W + (size_t)r * rb;                                                \
-            int t = 0;                                                                              \
-            for (; t + 4 <= nb; t += 4) row_q8act(TYPE, 4, row, K, qs + t, ds + t, ys + t, r);      \
-            switch (nb - t) {                                                                       \
-            case 1: row_q8act(TYPE, 1, row, K, qs + t, ds + t, ys + t, r); break;                   \
-            case 2: row_q8act(TYPE, 2, row, K, qs + t, ds + t, ys + t, r); break;                   \
-            case 3: row_q8act(TYPE, 3, row, K, qs + t, ds + t, ys + t, r); break;                   \
-            }                                                                                       \
-        }                                                                                           \
-    }
-
-ROWS_Q8ACT_FN(rows_q8act_q8_0, T_Q8_0)
-ROWS_Q8ACT_FN(rows_q8act_q4_0, T_Q4_0)
+ROWS_OF(rows_q8act_q8_0, row_q8act, T_Q8_0, const int8_t *const *)
+ROWS_OF(rows_q8act_q4_0, row_q8act, T_Q4_0, const int8_t *const *)
 
 /* Σ x over each group of 32, per token (the bias term of Q4_0 / Q4_K). */
 AVX2 static void group_sums(const float *x, long G, float *out) {
