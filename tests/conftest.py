@@ -50,7 +50,8 @@ def rng():
 @pytest.fixture(autouse=True)
 def _no_state_between_tests():
     """Process-wide state must not leak from one test into the next: the expert store's warn-once
-    notes are forgotten before each test, so a test that expects a note sees it whatever ran first."""
+    notes are forgotten before each test, so a test that expects a note sees it whatever ran first;
+    the kernels' activation switch (set by the last CpuOps built) goes back to int8 after each."""
     from s2moe.runtime.offload import store
 
     reset = getattr(store, "reset_warnings", None)
@@ -59,6 +60,12 @@ def _no_state_between_tests():
     else:  # the store before its reader moved out: the set is _warn_once's default argument
         store._warn_once.__defaults__[0].clear()
     yield
+    try:
+        from s2moe import _cpu
+    except ImportError:
+        return
+    if hasattr(_cpu, "act_q8"):  # a copy built before the switch existed (stress, mutants) has none
+        _cpu.act_q8(1)
 
 
 @pytest.fixture
