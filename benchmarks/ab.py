@@ -66,28 +66,29 @@ def copy_of(rev: str, dest: str) -> str:
     return dest
 
 
+def s2moe(command: str, args: list[str], own: list[str], code: str | None) -> str:
+    """`s2moe COMMAND` on the code under ``code`` (or the installed one); its stdout, or exit with
+    its last stderr line."""
+    head = [sys.executable, "-c", CLI, code] if code else [sys.executable, "-m", "s2moe.runtime.cli"]
+    done = subprocess.run([*head, command, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: s2moe {command} {shlex.join(own)} exited {done.returncode}: "
+                         + (done.stderr.strip().splitlines() or ["no message"])[-1])
+    return done.stdout
+
+
 def bench_once(common: list[str], own: list[str], code: str | None) -> dict[str, dict]:
-    """One `s2moe bench` (on the code under ``code``, or the installed one): records by method."""
+    """One `s2moe bench`: records by method."""
     with tempfile.TemporaryDirectory(prefix="s2moe-ab-") as tmp:
         out = os.path.join(tmp, "bench.json")
-        head = [sys.executable, "-c", CLI, code] if code else [sys.executable, "-m", "s2moe.runtime.cli"]
-        cmd = [*head, "bench", *common, *own, "--json", out]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"error: s2moe bench {shlex.join(own)} exited {done.returncode}: "
-                             + (done.stderr.strip().splitlines() or ["no message"])[-1])
+        s2moe("bench", [*common, *own, "--json", out], own, code)
         with open(out, encoding="utf-8") as f:
             return {r["name"]: r for r in json.load(f)["records"]}
 
 
 def run_once(common: list[str], own: list[str], code: str | None) -> dict[str, dict]:
     """One `s2moe run --json` (the main job, decode time as a user sees it): a bench-like record."""
-    head = [sys.executable, "-c", CLI, code] if code else [sys.executable, "-m", "s2moe.runtime.cli"]
-    done = subprocess.run([*head, "run", *common, *own, "--json"], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: s2moe run {shlex.join(own)} exited {done.returncode}: "
-                         + (done.stderr.strip().splitlines() or ["no message"])[-1])
-    st = json.loads(done.stdout)["stats"]
+    st = json.loads(s2moe("run", [*common, *own, "--json"], own, code))["stats"]
     extra = {"decode_tokens_per_s_aggregate": st["decode_tokens_per_s"], "acceptance_length": st["acceptance_length"],
              "bytes_fetched_per_token": st.get("bytes_fetched_per_token") or 0,
              "live_costs": (st.get("live_costs") or {}).get("constants"), "cost_constants": st.get("cost_constants"),

@@ -398,11 +398,7 @@ static void rows_dot_q8act(int type, const uint8_t *W, size_t rb, long K, long r
     float *d = malloc(sizeof(float) * (size_t)(nb * G + 1));
     const int8_t *qs[nb > 0 ? nb : 1];
     const float *ds[nb > 0 ? nb : 1];
-    if (!q || !d) { /* callers check inputs; an allocation failure leaves y unchanged */
-        free(q);
-        free(d);
-        return;
-    }
+    if (!q || !d) goto done; /* callers check inputs; an allocation failure leaves y unchanged */
     for (int t = 0; t < nb; t++) {
         qs[t] = q + (size_t)t * (size_t)K;
         ds[t] = d + (size_t)t * (size_t)G;
@@ -414,13 +410,12 @@ static void rows_dot_q8act(int type, const uint8_t *W, size_t rb, long K, long r
             rows_q8act_q8_0(W, rb, K, r0, r1, qs, ds, ys, nb);
         else
             rows_q8act_q4_0(W, rb, K, r0, r1, qs, ds, ys, nb);
-        free(q);
-        free(d);
-        return;
+        goto done;
     }
 #endif
     for (int t = 0; t < nb; t++) quant_act_portable(xs[t], K, (int8_t *)qs[t], (float *)ds[t]);
     rows_q8act_portable(type, W, rb, K, r0, r1, qs, ds, ys, nb);
+done:
     free(q);
     free(d);
 }

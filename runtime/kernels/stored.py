@@ -152,16 +152,13 @@ def decode_rows(xp, dtype: str, raw, K: int):
         return xp.ascontiguousarray(raw).view(xp.float16).astype(xp.float32).reshape(n, K)
     if dtype == "BF16":
         return (xp.ascontiguousarray(raw).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32).reshape(n, K)
+    if dtype in ("Q8_0", "Q4_0"):  # scale × signed code
+        codes, scales = decode_codes(xp, dtype, raw, K)
+        return (scales[..., None] * codes).reshape(n, K)
     values, nbytes = BLOCKS[dtype]
     blocks = raw.reshape(n, K // values, nbytes)
-    if dtype == "Q8_0":
-        q = xp.ascontiguousarray(blocks[..., 2:]).view(xp.int8).astype(xp.float32)
-        return (_f16(xp, blocks[..., :2]) * q).reshape(n, K)
-    if dtype in ("Q4_0", "MXFP4"):
-        qs = blocks[..., 2:] if dtype == "Q4_0" else blocks[..., 1:]
-        codes = xp.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # elements 0-15 low nibbles, 16-31 high
-        if dtype == "Q4_0":
-            return (_f16(xp, blocks[..., :2]) * (codes.astype(xp.float32) - 8.0)).reshape(n, K)
+    if dtype == "MXFP4":
+        codes = _nibbles(xp, blocks[..., 1:])
         e = blocks[..., :1].astype(xp.uint32)
         half = xp.where(e < 2, xp.uint32(0x00200000) << e, (e - 1) << xp.uint32(23)).view(xp.float32)
         table = xp.asarray(_KVALUES_MXFP4)
@@ -188,9 +185,13 @@ def decode_codes(xp, dtype: str, raw, K: int):
     if dtype == "Q8_0":
         return xp.ascontiguousarray(blocks[..., 2:]).view(xp.int8).astype(xp.float32), scales
     if dtype == "Q4_0":
-        qs = blocks[..., 2:]
-        return xp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(xp.float32) - 8.0, scales
+        return _nibbles(xp, blocks[..., 2:]).astype(xp.float32) - 8.0, scales
     raise ValueError(f"{dtype} rows do not meet int8 activations")
+
+
+def _nibbles(xp, qs):
+    """[..., 16] bytes → [..., 32] codes: elements 0-15 in the low nibbles, 16-31 in the high."""
+    return xp.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
 def quantize_activations(xp, x):
