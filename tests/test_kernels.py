@@ -8,6 +8,7 @@ and still fails on any wrong block layout or scale (those move results by 1e-2 o
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -79,14 +80,15 @@ def test_linear_matches_the_reference_for_every_type(ops, dtype, rng):
 
 def test_plain_types_take_rows_that_are_not_whole_simd_groups(ops, rng):
     ref = ReferenceOps()
-    for dtype in ("F32", "F16", "BF16"):
-        W = random_matrix(rng, dtype, 40, 75)  # 75 = 2 groups of 32 + a tail of 11
-        x = rng.standard_normal((3, 75)).astype(np.float32)
-        from s2moe import _cpu
+    from s2moe import _cpu
 
-        got = np.empty((3, 40), np.float32)
-        _cpu.matmul(W.data, W.type_id, 40, 75, x, got)
-        assert rel_err(got, ref.linear(x, W)) <= REL, dtype
+    # 75 = 2 groups of 32 + 8 + 3; 112 (the default model's expert width) = 3 groups + 2 × 8
+    for dtype, K, T in itertools.product(("F32", "F16", "BF16"), (75, 112), (1, 3, 5)):
+        W = random_matrix(rng, dtype, 40, K)
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        got = np.empty((T, 40), np.float32)
+        _cpu.matmul(W.data, W.type_id, 40, K, x, got)
+        assert rel_err(got, ref.linear(x, W)) <= REL, (dtype, K, T)
 
 
 @pytest.mark.parametrize("dtype", TYPES)
@@ -358,13 +360,16 @@ def test_every_family_on_kernels_matches_the_reference_path(every_family):
 
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("interleave", [False, True])
-def test_attention_matches_the_reference(sinks, interleave, rng):
+@pytest.mark.parametrize("D,start", [(32, 9), (32, 300), (64, 45), (128, 21), (40, 13)])
+def test_attention_matches_the_reference(ops, sinks, interleave, D, start, rng):
     """RoPE, cache write and masked softmax attention in one C call vs the NumPy reference: a
-    3-token verification after 9 cached positions, grouped heads, a tree mask with a hole."""
+    3-token verification after ``start`` cached positions, grouped heads, a tree mask with a hole.
+    Widths with a SIMD instance (32, 64, 128) and one without (40: the portable loop); 300 slots
+    take the thread pool, and every length leaves slots past the last whole 8."""
     from s2moe.runtime.model import rope
     from s2moe.runtime.model.kv_cache import KVCache
 
-    nh, nkv, D, T, start = 8, 2, 32, 3, 9
+    nh, nkv, T = 8, 2, 3
     q = rng.standard_normal((T, nh * D)).astype(np.float32)
     k = rng.standard_normal((T, nkv * D)).astype(np.float32)
     v = rng.standard_normal((T, nkv * D)).astype(np.float32)
@@ -373,16 +378,18 @@ def test_attention_matches_the_reference(sinks, interleave, rng):
     allowed[:, start:] = np.tril(np.ones((T, T), bool))
     allowed[2, start + 1] = False  # a tree: token 2 does not see token 1
     allowed[1, 3] = False  # and a sliding window hole
+    allowed[0, :start // 2] = False  # and a window that drops a whole run of slots
     s = rng.standard_normal(nh).astype(np.float32) if sinks else None
     caches = []
-    for ops in (cpu.CpuOps(), ReferenceOps()):
-        kv = KVCache(1, nkv, D, 16)
-        kv.keys[0][:, :start] = rng.standard_normal((nkv, start, D))
-        kv.values[0][:, :start] = rng.standard_normal((nkv, start, D))
-        caches.append((ops, kv))
+    for each in (ops, ReferenceOps()):
+        kv = KVCache(1, nkv, D, start + 8)
+        caches.append((each, kv))
+    caches[0][1].keys[0][:, :start] = rng.standard_normal((nkv, start, D))
+    caches[0][1].values[0][:, :start] = rng.standard_normal((nkv, start, D))
     caches[1][1].keys[0][:] = caches[0][1].keys[0]
     caches[1][1].values[0][:] = caches[0][1].values[0]
-    outs = [ops.attend(q, k, v, kv, 0, start, cs, allowed, s, nh, nkv, D, D ** -0.5, interleave) for ops, kv in caches]
+    outs = [each.attend(q, k, v, kv, 0, start, cs, allowed, s, nh, nkv, D, D ** -0.5, interleave)
+            for each, kv in caches]
     assert rel_err(outs[0], outs[1]) <= REL
     np.testing.assert_allclose(caches[0][1].keys[0], caches[1][1].keys[0], atol=1e-6)  # rotated keys written
     np.testing.assert_array_equal(caches[0][1].values[0], caches[1][1].values[0])
@@ -419,3 +426,30 @@ def test_array_namespace_decoders_match_the_reference(dtype, rng):
     dev = decode_rows(fake_cupy.module, dtype, fake_cupy.module.asarray(raw), 512)
     assert isinstance(dev, fake_cupy.DeviceArray)
     np.testing.assert_array_equal(fake_cupy.module.asnumpy(dev), want)
+
+
+@pytest.mark.parametrize("kind", ["softmax_topk", "topk_softmax"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_routing_matches_the_reference(kind, norm, rng):
+    """The C router (top-k with ties to the lower id, softmax weights) vs routing.route: rows with
+    tied logits, a float32 selection bias that changes the choice but not the weights, a scale."""
+    ref, fast = ReferenceOps(), cpu.CpuOps()
+    for T, E, k in ((1, 32, 4), (5, 64, 8), (3, 8, 1), (2, 16, 16)):
+        logits = rng.standard_normal((T, E)).astype(np.float32)
+        logits[0, 3] = logits[0, 5] = logits[0, 7] = logits[0].max() + 1.0  # a three-way tie at the top
+        logits[-1, ::2] = 0.25  # half of a row tied
+        bias = (rng.random((T, E)) < 0.3).astype(np.float32) * 2.0
+        for b, scale in ((None, 1.0), (bias, 2.5)):
+            want_e, want_w = ref.route(logits, k, kind, norm, b, scale=scale)
+            got_e, got_w = fast.route(logits, k, kind, norm, b, scale=scale)
+            np.testing.assert_array_equal(got_e, want_e, err_msg=f"{T}x{E} k={k}")
+            np.testing.assert_allclose(got_w, want_w, rtol=2e-6, atol=1e-7, err_msg=f"{T}x{E} k={k}")
+            assert got_e.dtype == want_e.dtype and got_w.dtype == np.float32
+    # what the C router does not take goes to the reference unchanged: a float64 bias, NaN scores
+    logits = rng.standard_normal((2, 16)).astype(np.float32)
+    b64 = rng.standard_normal((2, 16))
+    for got, want in zip(fast.route(logits, 4, kind, norm, b64), ref.route(logits, 4, kind, norm, b64)):
+        np.testing.assert_array_equal(got, want)
+    logits[1, 2] = np.nan
+    for got, want in zip(fast.route(logits, 4, kind, norm), ref.route(logits, 4, kind, norm)):
+        np.testing.assert_array_equal(got, want)

@@ -184,7 +184,10 @@ def test_verification_gating_weighs_each_token_by_its_draft_confidence(monkeypat
 def test_the_default_gating_is_resident_and_without_a_budget_it_is_the_papers():
     """The default variant favours what the fast tier holds (ρ = 0.25, the setting whose quality
     docs/performance.md measures). With every expert resident there is no tier to favour: the
-    output is the paper variant's, token for token; under a budget it differs."""
+    output is the paper variant's, token for token, and so is what each verification loads. Under a
+    budget verification loads other experts (its misses and hits per pass differ). Whether the
+    tokens then differ too depends on float rounding this test should not pin: on this prompt they
+    did before the SIMD attention of 2026-12-02 and no longer do."""
     from s2moe.runtime.cli.common import DEFAULT_MODEL
     from s2moe.runtime.engine import build_engine
 
@@ -195,10 +198,11 @@ def test_the_default_gating_is_resident_and_without_a_budget_it_is_the_papers():
     for budget in (None, "0.1"):
         for name, settings in (("default", SpecSettings(draft_cap=4)), ("paper", SpecSettings(draft_cap=4, rg_variant="paper"))):
             engine = build_engine(str(DEFAULT_MODEL), budget, 256)
-            out[budget, name] = SpeculativeDecoder(engine.model, get_method("s2moe"), settings, costs).generate(ids, 40).tokens
+            r = SpeculativeDecoder(engine.model, get_method("s2moe"), settings, costs).generate(ids, 40)
+            out[budget, name] = r.tokens, [row[1:3] for row in r.metrics.verify_samples]  # (missing, resident)
             engine.close()
     assert out[None, "default"] == out[None, "paper"]
-    assert out["0.1", "default"] != out["0.1", "paper"]
+    assert out["0.1", "default"][1] != out["0.1", "paper"][1]
 
 
 def test_ae_prediction_under_the_resident_variant_favours_only_tier_experts_its_preferred_set_takes():

@@ -128,6 +128,14 @@ INLINE_AVX2 void load_plain(const int TYPE, const uint8_t *row, long g, __m256 *
     }
 }
 
+/* 8 consecutive weights of a plain row from element k. */
+INLINE_AVX2 __m256 load_plain8(const int TYPE, const uint8_t *row, long k) {
+    if (TYPE == T_F32) return _mm256_loadu_ps((const float *)row + k);
+    __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * k));
+    if (TYPE == T_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* A quantised group of 32: its codes as (unscaled) floats in w[0..3] and the affine map that
  * turns Σ code·x into the group's share of the dot product: scale · Σ code·x + bias · Σ x. The
  * scale is applied once per group instead of once per weight (Q4_0: scale d, bias −8d; Q4_K:
@@ -232,9 +240,15 @@ INLINE_AVX2 void row_tmpl(const int TYPE, const int NB, const uint8_t *row, long
             if (HAS_BIAS(TYPE)) bsum[t] += bias * xsum[t][g];
         }
     }
+    long k8 = 32 * G;
+    if (IS_PLAIN(TYPE)) /* a row that is not whole groups (the default model's K = 112): 8 at a time */
+        for (; k8 + 8 <= K; k8 += 8) {
+            __m256 w8 = load_plain8(TYPE, row, k8);
+            for (int t = 0; t < NB; t++) a[t][0] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(xs[t] + k8), a[t][0]);
+        }
     for (int t = 0; t < NB; t++) {
         float s = hsum(_mm256_add_ps(a[t][0], a[t][1])) + bsum[t];
-        for (long k = 32 * G; k < K; k++) { /* plain types only: quantised rows are whole groups */
+        for (long k = k8; k < K; k++) { /* plain types only: quantised rows are whole groups */
             float wk = TYPE == T_F32   ? ((const float *)row)[k]
                        : TYPE == T_F16 ? f16_to_f32(rd16(row + 2 * k))
                                        : bf16_to_f32(rd16(row + 2 * k));
@@ -381,6 +395,11 @@ int dot_use_simd(int want) {
     (void)want;
     use_avx2 = 0;
 #endif
+    return use_avx2;
+}
+
+int dot_simd(void) {
+    if (use_avx2 < 0) dot_use_simd(1);
     return use_avx2;
 }
 

@@ -10,6 +10,8 @@ void rows_dot(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, c
               float *const *ys, int nb);
 /* Use the SIMD path if `want` and the CPU has it; returns whether it is used. */
 int dot_use_simd(int want);
+/* Whether the SIMD path is in use (attend.c follows the same switch). */
+int dot_simd(void);
 /* Q8_0 / Q4_0 rows against int8-quantised activations (1, the default) or float ones (0); -1 asks. */
 int dot_act_q8(int on);
 /* "avx2+fma+f16c" or "portable". */

@@ -244,6 +244,39 @@ done:
     return result;
 }
 
+/* route(logits, select, k, kind, norm, scale, experts int64 [T, k], weights [T, k]) */
+static PyObject *py_route(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    int k, kind, norm;
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOiipfOO", &o[0], &o[1], &k, &kind, &norm, &scale, &o[2], &o[3])) return NULL;
+    static const char kinds[4] = {'f', 'f', 'q', 'f'};
+    static const char *names[4] = {"logits", "select", "experts", "weights"};
+    Py_buffer b[4];
+    memset(b, 0, sizeof(b));
+    PyObject *result = NULL;
+    for (int i = 0; i < 4; i++)
+        if (get_buf(o[i], &b[i], kinds[i], i >= 2, names[i]) < 0) goto done;
+    long T = b[2].len / 8 / (k > 0 ? k : 1), E = T > 0 ? (long)(b[0].len / 4 / T) : 0;
+    if (k <= 0 || T <= 0 || E < k || b[2].len != (Py_ssize_t)T * k * 8 || b[0].len != (Py_ssize_t)T * E * 4 ||
+        check_len(&b[1], b[0].len, "select") < 0 || check_len(&b[3], (Py_ssize_t)T * k * 4, "weights") < 0 ||
+        (kind != 0 && kind != 1)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "route: sizes or kind do not match");
+        goto done;
+    }
+    int rc = op_route(b[0].buf, b[1].buf, T, E, k, kind, norm, scale, b[2].buf, b[3].buf); /* tiny: keeps the GIL */
+    if (rc == -3) PyErr_SetString(PyExc_ValueError, "route: NaN in the selection scores");
+    else if (rc) PyErr_SetString(PyExc_ValueError, "route: k outside 1..64");
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    for (int i = 0; i < 4; i++)
+        if (b[i].obj) PyBuffer_Release(&b[i]);
+    return result;
+}
+
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     PyObject *xo, *wo, *oo;
     float eps;
@@ -313,6 +346,7 @@ static PyMethodDef methods[] = {
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(W, type, N, K, ids int64, out): out = W[ids]"},
     {"moe", py_moe, METH_VARARGS, "moe(experts, I, H, x, out, act=0, alpha=1.702, limit=7): one layer's experts"},
     {"attend", py_attend, METH_VARARGS, "attend(q, k, v, kcache, vcache, cos, sin, allowed, sinks, out, nh, nkv, D, start, scale, rope, interleave)"},
+    {"route", py_route, METH_VARARGS, "route(logits, select, k, kind, norm, scale, experts, weights): top-k and mixture weights"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): RMSNorm over rows of len(w)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n) -> threads in use (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads in use"},

@@ -215,97 +215,50 @@ void op_rms_norm(const float *x, const float *w, long rows, long n, float eps, f
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* grouped-query attention over the KV cache: RoPE, cache write, masked softmax, weighted sum      */
+/* routing: top-k of each row of `select`, mixture weights from `logits` (runtime/model/routing.py) */
 
-typedef struct {
-    const float *q;          /* [T, nh*D], rotated in place into qr */
-    float *qr;               /* [T, nh*D] scratch */
-    const attn_args *a;
-} attn_job;
-
-static void rope_row(float *x, const float *cos, const float *sin, long D, int interleave) {
-    long half = D / 2;
-    for (long i = 0; i < half; i++) {
-        float c = cos[i], s = sin[i];
-        if (interleave) {
-            float a = x[2 * i], b = x[2 * i + 1];
-            x[2 * i] = a * c - b * s;
-            x[2 * i + 1] = b * c + a * s;
-        } else {
-            float a = x[i], b = x[i + half];
-            x[i] = a * c - b * s;
-            x[i + half] = b * c + a * s;
-        }
-    }
-}
-
-static void attn_part(void *p, int ith, int nth) {
-    const attn_job *j = p;
-    const attn_args *a = j->a;
-    const long D = a->D, S = a->start + a->T, group = a->nh / a->nkv;
-    long items = (long)a->nh * a->T, i0, i1;
-    span(items, ith, nth, &i0, &i1);
-    float *scores = malloc(sizeof(float) * (size_t)(S + D)), *acc = scores + S;
-    if (!scores) return;
-    for (long it = i0; it < i1; it++) {
-        long h = it / a->T, t = it % a->T, g = h / group;
-        const float *q = j->qr + (size_t)t * a->nh * D + (size_t)h * D;
-        const float *K = a->kcache + (size_t)g * a->cap * D, *V = a->vcache + (size_t)g * a->cap * D;
-        const uint8_t *ok = a->allowed + (size_t)t * S;
-        /* q · K for every slot at once: the F32 row kernel (SIMD), then the mask */
-        float *ys[1] = {scores};
-        const float *xs[1] = {q};
-        rows_dot(T_F32, (const uint8_t *)K, (size_t)D * 4, D, 0, S, xs, ys, 1);
-        float top = -INFINITY;
-        for (long s = 0; s < S; s++)
-            if (ok[s]) {
-                scores[s] *= a->scale;
-                if (scores[s] > top) top = scores[s];
-            }
-        if (a->sinks && a->sinks[h] > top) top = a->sinks[h];
-        double total = a->sinks ? exp((double)a->sinks[h] - top) : 0.0;
-        for (long d = 0; d < D; d++) acc[d] = 0.0f;
-        for (long s = 0; s < S; s++) {
-            if (!ok[s]) continue;
-            const float w = expf(scores[s] - top), *v = V + (size_t)s * D;
-            total += w;
-            for (long d = 0; d < D; d++) acc[d] += w * v[d]; /* vectorised by the compiler */
-        }
-        float *o = a->out + (size_t)t * a->nh * D + (size_t)h * D;
-        const float inv = (float)(1.0 / total);
-        for (long d = 0; d < D; d++) o[d] = acc[d] * inv;
-    }
-    free(scores);
-}
-
-int op_attend(const attn_args *a) {
-    const long D = a->D, T = a->T;
-    /* rotate q (a copy) and k (in the cache), write k and v into the cache */
-    float *qr = malloc(sizeof(float) * (size_t)T * a->nh * D + 1);
-    if (!qr) return -2;
+int op_route(const float *logits, const float *select, long T, long E, int k, int kind, int norm, float scale,
+             int64_t *experts, float *weights) {
+    if (k <= 0 || k > E || k > 64) return -1;
     for (long t = 0; t < T; t++) {
-        const float *cos = a->cos + (size_t)t * (D / 2), *sin = a->sin + (size_t)t * (D / 2);
-        for (long h = 0; h < a->nh; h++) {
-            float *x = qr + (size_t)t * a->nh * D + (size_t)h * D;
-            for (long d = 0; d < D; d++) x[d] = a->q[(size_t)t * a->nh * D + (size_t)h * D + d];
-            if (a->rope) rope_row(x, cos, sin, D, a->interleave);
-        }
-        for (long g = 0; g < a->nkv; g++) {
-            float *kc = a->kcache + ((size_t)g * a->cap + (size_t)(a->start + t)) * D;
-            float *vc = a->vcache + ((size_t)g * a->cap + (size_t)(a->start + t)) * D;
-            for (long d = 0; d < D; d++) {
-                kc[d] = a->k[(size_t)t * a->nkv * D + (size_t)g * D + d];
-                vc[d] = a->v[(size_t)t * a->nkv * D + (size_t)g * D + d];
+        const float *lg = logits + (size_t)t * E, *sel = select + (size_t)t * E;
+        int64_t *ex = experts + (size_t)t * k;
+        float *w = weights + (size_t)t * k;
+        /* insertion into a sorted top-k list: strictly greater moves up, so ties keep the lower id
+         * first (the reference's stable sort); NaN never enters */
+        int n = 0;
+        for (long e = 0; e < E; e++) {
+            float v = sel[e];
+            if (!(v == v)) return -3; /* NaN: the reference path decides what that means */
+            if (n == k && !(v > sel[ex[k - 1]])) continue;
+            int i = n < k ? n++ : k - 1;
+            while (i > 0 && v > sel[ex[i - 1]]) {
+                ex[i] = ex[i - 1];
+                i--;
             }
-            if (a->rope) rope_row(kc, cos, sin, D, a->interleave);
+            ex[i] = e;
         }
+        /* weights: softmax over all experts (kind 0) or over the chosen logits (kind 1) */
+        float top = -INFINITY;
+        if (kind == 0)
+            for (long e = 0; e < E; e++) top = lg[e] > top ? lg[e] : top;
+        else
+            for (int j = 0; j < k; j++) top = lg[ex[j]] > top ? lg[ex[j]] : top;
+        double total = 0.0;
+        if (kind == 0)
+            for (long e = 0; e < E; e++) total += expf(lg[e] - top);
+        for (int j = 0; j < k; j++) {
+            w[j] = expf(lg[ex[j]] - top);
+            if (kind == 1) total += w[j];
+        }
+        for (int j = 0; j < k; j++) w[j] = (float)(w[j] / total);
+        if (norm && kind == 0) {
+            double chosen = 0.0;
+            for (int j = 0; j < k; j++) chosen += w[j];
+            for (int j = 0; j < k; j++) w[j] = (float)(w[j] / chosen);
+        }
+        if (scale != 1.0f)
+            for (int j = 0; j < k; j++) w[j] *= scale;
     }
-    attn_job j = {a->q, qr, a};
-    long work = (long)a->nh * T * (a->start + T) * D;
-    if (work < PARALLEL_MIN_WORK || pool_threads() <= 1)
-        attn_part(&j, 0, 1);
-    else
-        pool_run(attn_part, &j, pool_chunks());
-    free(qr);
     return 0;
 }

@@ -43,4 +43,10 @@ int op_attend(const attn_args *a);
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of n values (double accumulation). */
 void op_rms_norm(const float *x, const float *w, long rows, long n, float eps, float *out);
 
+/* Per row of T: the k largest of select[E] (ties: lower id first) into experts, and their mixture
+ * weights from logits[E]: kind 0 softmax over all E (renormalised over the k if norm), kind 1
+ * softmax over the k chosen; times scale. -1: bad k; -3: a NaN in select. */
+int op_route(const float *logits, const float *select, long T, long E, int k, int kind, int norm, float scale,
+             int64_t *experts, float *weights);
+
 #endif

@@ -53,6 +53,12 @@ class ReferenceOps:
     def __init__(self, reason: str = "requested"):
         self.reason = reason
 
+    def route(self, logits: np.ndarray, k: int, kind: str, norm_topk_prob: bool, bias=None, **kw):
+        """Experts and mixture weights per token from host router logits (model/routing.py)."""
+        from ..model.routing import route
+
+        return route(logits, k, kind, norm_topk_prob, bias, **kw)
+
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         from ..model.attention import rms_norm
 

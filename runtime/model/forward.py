@@ -28,7 +28,7 @@ from .draft_head import DraftHead, head_ids, ranks_file, select_rows
 from ..offload.experts import ExpertProvider
 from .kv_cache import KVCache
 from .loader import LoadedModel
-from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, restrict, route
+from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, restrict
 
 
 
@@ -131,8 +131,9 @@ class MoEModel:
             k = policy.k_for(L, c.top_k)
             bias = policy.selection_bias(L, logits) if policy.selection_bias else None
             groups = (c.expert_groups, c.expert_groups_used) if c.expert_groups else None
-            experts, weights = route(logits, k, c.router, c.norm_topk_prob, bias, scale=c.routed_scaling_factor,
-                                     groups=groups, score_bias=host.get(p + "router_score_bias"))
+            experts, weights = self.ops.route(logits, k, c.router, c.norm_topk_prob, bias,
+                                              scale=c.routed_scaling_factor, groups=groups,
+                                              score_bias=host.get(p + "router_score_bias"))
             allowed = policy.allowed(L) if policy.allowed else None
             if allowed is not None:  # e.g. a draft restricted to resident experts: it never waits
                 experts, weights = restrict(experts, weights, logits, allowed, policy.fallback)
