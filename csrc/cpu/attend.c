@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "dot.h"
 #include "ops.h"
@@ -258,4 +259,44 @@ int op_attend(const attn_args *a) {
         pool_run(attn_part, &j, pool_chunks());
     free(qr);
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* the whole attention block of a decode step: out = h + o(attention(q/k norms(qkv(RMSNorm(h)))))  */
+
+int op_attn_block(const attn_block_args *b) {
+    const long T = b->T, H = b->H, D = b->D, nq = b->nh * D, nk = b->nkv * D, N = nq + 2 * nk;
+    float *x = malloc(sizeof(float) * (size_t)T * (size_t)(H + N + nq + 2 * nk + nq) + 1);
+    if (!x) return -2;
+    float *qkv = x + (size_t)T * H, *q = qkv + (size_t)T * N, *k = q + (size_t)T * nq, *v = k + (size_t)T * nk,
+          *att = v + (size_t)T * nk;
+    op_rms_norm(b->h, b->norm, T, H, b->eps, x);
+    int rc = op_matmul(b->qkv_type, b->qkv, N, H, x, (int)T, qkv, b->qkv_bias);
+    if (rc) goto done;
+    for (long t = 0; t < T; t++) { /* split the joined product per token */
+        const float *row = qkv + (size_t)t * N;
+        memcpy(q + (size_t)t * nq, row, sizeof(float) * (size_t)nq);
+        memcpy(k + (size_t)t * nk, row + nq, sizeof(float) * (size_t)nk);
+        memcpy(v + (size_t)t * nk, row + nq + nk, sizeof(float) * (size_t)nk);
+    }
+    if (b->qk_norm == 1) { /* OLMoE: over the whole projection, before the head split */
+        op_rms_norm(q, b->q_norm, T, nq, b->eps, q);
+        op_rms_norm(k, b->k_norm, T, nk, b->eps, k);
+    } else if (b->qk_norm == 2) { /* Qwen3: per head */
+        op_rms_norm(q, b->q_norm, T * b->nh, D, b->eps, q);
+        op_rms_norm(k, b->k_norm, T * b->nkv, D, b->eps, k);
+    }
+    attn_args a = b->attn;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.out = att;
+    rc = op_attend(&a);
+    if (rc) goto done;
+    rc = op_matmul(b->o_type, b->o, H, nq, att, (int)T, b->out, b->o_bias);
+    if (rc) goto done;
+    for (long i = 0; i < T * H; i++) b->out[i] += b->h[i];
+done:
+    free(x);
+    return rc;
 }

@@ -244,6 +244,65 @@ done:
     return result;
 }
 
+/* attn_block(h, norm, eps, qkv, qkv_type, qkv_bias|None, o, o_type, o_bias|None, qk_norm, q_norm|None,
+ *            k_norm|None, kcache, vcache, cos, sin, allowed, sinks|None, out, nh, nkv, D, start, scale,
+ *            interleave): out = h + the layer's attention block (ops.h op_attn_block) */
+static PyObject *py_attn_block(PyObject *self, PyObject *args) {
+    enum { H_, NORM, QKV, QKVB, O, OB, QN, KN, KC, VC, COS, SIN, ALLOWED, SINKS, OUT, NB };
+    PyObject *o[NB];
+    float eps, scale;
+    int qkv_type, o_type, qk_norm, interleave;
+    long nh, nkv, D, start;
+    if (!PyArg_ParseTuple(args, "OOfOiOOiOiOOOOOOOOOllllfp", &o[H_], &o[NORM], &eps, &o[QKV], &qkv_type, &o[QKVB],
+                          &o[O], &o_type, &o[OB], &qk_norm, &o[QN], &o[KN], &o[KC], &o[VC], &o[COS], &o[SIN],
+                          &o[ALLOWED], &o[SINKS], &o[OUT], &nh, &nkv, &D, &start, &scale, &interleave))
+        return NULL;
+    static const char kinds[NB] = {'f', 'f', 'B', 'f', 'B', 'f', 'f', 'f', 'f', 'f', 'f', 'f', 'B', 'f', 'f'};
+    static const char *names[NB] = {"h", "norm", "qkv", "qkv_bias", "o", "o_bias", "q_norm", "k_norm", "kcache",
+                                    "vcache", "cos", "sin", "allowed", "sinks", "out"};
+    Py_buffer b[NB];
+    memset(b, 0, sizeof(b));
+    PyObject *result = NULL;
+    for (int i = 0; i < NB; i++)
+        if (o[i] != Py_None && get_buf(o[i], &b[i], kinds[i], i == KC || i == VC || i == OUT, names[i]) < 0) goto done;
+    if (nh <= 0 || nkv <= 0 || D <= 0 || D % 2 || nh % nkv || start < 0 || qk_norm < 0 || qk_norm > 2 ||
+        !b[H_].buf || !b[NORM].buf || !b[QKV].buf || !b[O].buf || !b[KC].buf || !b[VC].buf || !b[OUT].buf ||
+        (qk_norm && (!b[QN].buf || !b[KN].buf))) {
+        PyErr_SetString(PyExc_ValueError, "attn_block: bad head counts, head width or missing arrays");
+        goto done;
+    }
+    long H = (long)(b[NORM].len / 4), T = H > 0 ? (long)(b[H_].len / 4 / H) : 0, nq = nh * D, N = nq + 2 * nkv * D;
+    long cap = (long)(b[KC].len / 4 / (nkv * D)), S = start + T;
+    long qn = qk_norm == 1 ? nq : D, kn = qk_norm == 1 ? nkv * D : D;
+    if (T <= 0 || b[H_].len != (Py_ssize_t)T * H * 4 || check_weights(&b[QKV], qkv_type, N, H, "qkv") < 0 ||
+        check_weights(&b[O], o_type, H, nq, "o") < 0 || (b[QKVB].buf && check_len(&b[QKVB], N * 4, "qkv_bias") < 0) ||
+        (b[OB].buf && check_len(&b[OB], H * 4, "o_bias") < 0) ||
+        (qk_norm && (check_len(&b[QN], qn * 4, "q_norm") < 0 || check_len(&b[KN], kn * 4, "k_norm") < 0)) ||
+        S > cap || b[KC].len != (Py_ssize_t)cap * nkv * D * 4 || check_len(&b[VC], b[KC].len, "vcache") < 0 ||
+        check_len(&b[COS], (Py_ssize_t)T * (D / 2) * 4, "cos") < 0 || check_len(&b[SIN], b[COS].len, "sin") < 0 ||
+        check_len(&b[ALLOWED], (Py_ssize_t)T * S, "allowed") < 0 ||
+        (b[SINKS].buf && check_len(&b[SINKS], nh * 4, "sinks") < 0) || check_len(&b[OUT], b[H_].len, "out") < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "attn_block: sizes do not match");
+        goto done;
+    }
+    attn_block_args a = {b[H_].buf, b[NORM].buf, eps, qkv_type, o_type, b[QKV].buf, b[O].buf, b[QKVB].buf,
+                         b[OB].buf, qk_norm, b[QN].buf, b[KN].buf, b[OUT].buf, T, H, nh, nkv, D,
+                         {NULL, NULL, NULL, b[KC].buf, b[VC].buf, b[COS].buf, b[SIN].buf, b[ALLOWED].buf,
+                          b[SINKS].buf, NULL, T, nh, nkv, D, cap, start, scale, 1, interleave}};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = op_attn_block(&a);
+    Py_END_ALLOW_THREADS if (rc == -2) PyErr_NoMemory();
+    else if (rc) PyErr_SetString(PyExc_ValueError, "attn_block: a weight type cannot hold these rows");
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    for (int i = 0; i < NB; i++)
+        if (b[i].obj) PyBuffer_Release(&b[i]);
+    return result;
+}
+
 /* route(logits, select, k, kind, norm, scale, experts int64 [T, k], weights [T, k]) */
 static PyObject *py_route(PyObject *self, PyObject *args) {
     PyObject *o[4];
@@ -346,6 +405,7 @@ static PyMethodDef methods[] = {
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(W, type, N, K, ids int64, out): out = W[ids]"},
     {"moe", py_moe, METH_VARARGS, "moe(experts, I, H, x, out, act=0, alpha=1.702, limit=7): one layer's experts"},
     {"attend", py_attend, METH_VARARGS, "attend(q, k, v, kcache, vcache, cos, sin, allowed, sinks, out, nh, nkv, D, start, scale, rope, interleave)"},
+    {"attn_block", py_attn_block, METH_VARARGS, "attn_block(h, norm, eps, qkv, qkv_type, qkv_bias, o, o_type, o_bias, qk_norm, q_norm, k_norm, kcache, vcache, cos, sin, allowed, sinks, out, nh, nkv, D, start, scale, interleave)"},
     {"route", py_route, METH_VARARGS, "route(logits, select, k, kind, norm, scale, experts, weights): top-k and mixture weights"},
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): RMSNorm over rows of len(w)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n) -> threads in use (the caller included)"},

@@ -40,6 +40,24 @@ typedef struct {
 
 int op_attend(const attn_args *a);
 
+/* The attention block of one layer: out = h + o(attention(RMSNorm(h))), the projections on stored
+ * rows (q|k|v joined), optional q/k RMSNorm (1: over the whole projection, 2: per head). `attn`
+ * carries the cache, RoPE tables, mask, sinks, sizes and scale; its q, k, v and out are set here. */
+typedef struct {
+    const float *h, *norm;        /* [T, H], [H] */
+    float eps;
+    int qkv_type, o_type;
+    const uint8_t *qkv, *o;       /* [(nh + 2 nkv) D, H], [H, nh D] stored rows */
+    const float *qkv_bias, *o_bias; /* NULL when absent */
+    int qk_norm;                  /* 0 none, 1 full, 2 per head */
+    const float *q_norm, *k_norm; /* [nh D] and [nkv D], or [D] and [D] */
+    float *out;                   /* [T, H] */
+    long T, H, nh, nkv, D;
+    attn_args attn;
+} attn_block_args;
+
+int op_attn_block(const attn_block_args *b);
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of n values (double accumulation). */
 void op_rms_norm(const float *x, const float *w, long rows, long n, float eps, float *out);
 

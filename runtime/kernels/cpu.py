@@ -29,6 +29,7 @@ else:
 
 ACT_IDS = {"swiglu": 0, "swiglu_clamped": 1}
 ROUTE_KINDS = {"softmax_topk": 0, "topk_softmax": 1}
+QK_NORM_IDS = {"none": 0, "full": 1, "per_head": 2}
 
 
 def available() -> bool:
@@ -63,6 +64,7 @@ def _expert_args(w) -> tuple | None:
 
 class CpuOps(ReferenceOps):
     name = "cpu"
+    attention_blocks = True  # forward.py calls gqa_block on every pass (device ops: short passes only)
 
     def __init__(self, threads: int | None = None, reason: str = "requested"):
         super().__init__(reason)
@@ -116,6 +118,34 @@ class CpuOps(ReferenceOps):
             return super().route(logits, k, kind, norm_topk_prob, bias, scale=scale, groups=groups,
                                  score_bias=score_bias)
         return experts, weights
+
+    def gqa_block(self, c, W, L: int, h, norm, start: int, kv, cs, allowed):
+        """h + layer ``L``'s grouped-query attention block on RMSNorm(h, ``norm``) in one C call
+        (model/attention.py `gqa`: the norm, the joined q|k|v product, q/k norms, RoPE, the cache
+        write, attention, the output product and the residual). At one token the seven Python
+        steps between kernels cost about as much as the kernels. None where it does not apply
+        (F32 or unjoined projections, clipped q/k/v, RoPE on part of a head): the caller then
+        takes the step-by-step path."""
+        p = f"layers.{L}."
+        qkv, o = W.get(p + "qkv"), W.get(p + "o")
+        nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        keys, values = kv.keys[L], kv.values[L]
+        cos, sin = cs
+        if (c.attention != "gqa" or c.clip_qkv is not None or c.qk_norm not in QK_NORM_IDS or c.rope_dim != D
+                or not all(isinstance(m, StoredMatrix) and m.dtype != "F32" for m in (qkv, o))
+                or not all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (h, keys, values, cos, sin))
+                or keys.shape[-1] != D or cos.shape[-1] * 2 != D):
+            return None
+        mode = QK_NORM_IDS[c.qk_norm]
+        qn, kn = (_f32(W[p + "q_norm"]), _f32(W[p + "k_norm"])) if mode else (None, None)
+        out = np.empty_like(h)
+        _cpu.attn_block(np.ascontiguousarray(h), _f32(norm), c.rms_norm_eps, qkv.data, qkv.type_id,
+                        _f32(W.get(p + "qkv_bias")), o.data, o.type_id, _f32(W.get(p + "o_bias")), mode, qn, kn,
+                        keys, values, np.ascontiguousarray(cos), np.ascontiguousarray(sin),
+                        np.ascontiguousarray(allowed, dtype=np.bool_),
+                        _f32(W[p + "sinks"]) if c.attention_sinks else None, out, nh, nkv, D, start, c.attn_scale,
+                        bool(c.rope_interleave))
+        return out
 
     def linear(self, x: np.ndarray, W, bias=None) -> np.ndarray:
         if not isinstance(W, StoredMatrix) or W.dtype == "F32":

@@ -277,11 +277,12 @@ class MoEModel:
         if begin:
             begin(T)
         fuse = T <= getattr(ops, "max_fused_tokens", 0)  # a device's fused kernels (kernels/device.py)
+        block = fuse or getattr(ops, "attention_blocks", False)  # the CPU kernels' one-call attention block
         h = ops.embed(W["embed"], ids)
         for L in range(c.num_layers):
             with self.split.part("attention"):
                 norm, mask = W[f"layers.{L}.attn_norm"], masks[c.window_of(L)]
-                fused = ops.gqa_block(c, W, L, h, norm, start, kv, (cos, sin), mask) if fuse else None
+                fused = ops.gqa_block(c, W, L, h, norm, start, kv, (cos, sin), mask) if block else None
                 h = h + self._attention(L, ops.rms_norm(h, norm, c.rms_norm_eps), start, kv, cos, sin,
                                         mask) if fused is None else fused
             if fuse and c.moe_layers[L]:  # the norm joins the router's launch, the residual the experts'
