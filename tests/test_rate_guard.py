@@ -73,10 +73,22 @@ def test_a_probe_that_wins_again_ends_the_holds_and_resets_their_length():
 
 
 def test_nothing_is_decided_without_evidence_on_both_sides():
+    g = RateGuard(min_ar=1000)  # never enough AR steps to decide on
+    steps = _drive(g, 3 * g.early_probe_every, spec_ms=5.0, ar_ms=1.0)  # slow, but not enough AR steps yet
+    assert g.holds == 0 and g.held_steps == 0
+    assert steps == [True, True, False] * 2 and g.probes == 2  # AR is probed early meanwhile
+
+
+def test_a_cold_start_gathers_ar_evidence_early_and_holds_within_a_few_iterations():
+    """No back-off steps (every expert resident): the guard probes AR every other iteration until
+    it has ``min_ar`` steps, so slower speculation is held from iteration 14, not after 128."""
     g = RateGuard()
-    steps = _drive(g, g.probe_every, spec_ms=5.0, ar_ms=1.0)  # slow, but no AR step measured yet
-    assert all(steps) and g.holds == 0
-    assert _drive(g, 1, spec_ms=5.0, ar_ms=1.0) == [False] and g.probes == 1  # AR is probed
+    steps = _drive(g, 17, spec_ms=2.0, ar_ms=1.0)
+    assert steps[:12] == [True, True, False] * 4  # 8 speculative iterations, 4 AR probes
+    assert g.holds == 1 and steps[12:] == [True] + [False] * 4  # the next one decides: a hold of 4
+    g = RateGuard()
+    steps = _drive(g, 12 + 5 * 33, spec_ms=0.5, ar_ms=1.0)  # faster speculation: probes thin out
+    assert g.holds == 0 and steps[12:].count(False) == 5
 
 
 @pytest.mark.parametrize("tokens,seconds", [(0, 1e-3), (1, 0.0), (1, float("nan")), (1, -1.0)])

@@ -8,7 +8,9 @@ about 0.8× AR), AE alone keeps paying for it. The guard keeps what each way of 
 cost, in seconds per emitted token, and when speculation is the slower one it takes AR steps for a
 hold that doubles each time a probe finds speculation still slower (4, 8, … 64 steps). AR steps stay
 measured: natural ones (AE's back-off, the holds), and one probe after ``probe_every`` speculative
-iterations without any.
+iterations without any. Until ``min_ar`` AR steps are measured a probe comes every
+``early_probe_every`` iterations: with every expert resident AE never backs off, and at one probe
+per 32 iterations the evidence took 128 iterations, so a 256-token run ended before any hold.
 
 It follows the clock, so it runs only with live cost constants (runs whose constants are fixed
 make the same decisions on any machine, and keep doing so).
@@ -39,11 +41,11 @@ class RateGuard:
     BASE_HOLD = 4
 
     def __init__(self, half_life: float = 6.0, margin: float = 0.05, min_spec: int = 8, min_ar: int = 4,
-                 probe_every: int = 32, max_hold: int = 64):
+                 probe_every: int = 32, max_hold: int = 64, early_probe_every: int = 2):
         decay = 0.5 ** (1.0 / half_life)
         self.spec, self.ar = _Rate(decay), _Rate(decay)
         self.margin, self.min_spec, self.min_ar = margin, min_spec, min_ar
-        self.probe_every, self.max_hold = probe_every, max_hold
+        self.probe_every, self.max_hold, self.early_probe_every = probe_every, max_hold, early_probe_every
         self.hold, self.next_hold, self.since_ar = 0, self.BASE_HOLD, 0
         self.holds = self.held_steps = self.probes = 0
 
@@ -53,7 +55,7 @@ class RateGuard:
             self.hold -= 1
             self.held_steps += 1
             return False
-        if self.since_ar >= self.probe_every:
+        if self.since_ar >= (self.probe_every if self.ar.n >= self.min_ar else self.early_probe_every):
             self.probes += 1
             self.since_ar = 0
             return False
