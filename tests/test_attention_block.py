@@ -15,19 +15,7 @@ from s2moe.runtime.kernels.reference import ReferenceOps
 from s2moe.runtime.model import rope
 from s2moe.runtime.model.attention import gqa, rms_norm
 from s2moe.runtime.model.kv_cache import KVCache
-from test_kernels import REL, random_matrix, rel_err
-
-
-@pytest.fixture(params=["simd", "portable"])
-def ops(request):
-    from s2moe import _cpu
-
-    want = request.param == "simd"
-    if want and not _cpu.use_simd(True):
-        pytest.skip("this CPU has no AVX2+FMA+F16C: only the portable path exists here")
-    _cpu.use_simd(want)
-    yield cpu.CpuOps(threads=2)
-    _cpu.use_simd(True)
+from test_kernels import REL, ops, random_matrix, rel_err  # noqa: F401 (ops: the simd / portable fixture)
 
 
 def _layer(rng, dtype, qk_norm, biases, sinks, H=128, nh=4, nkv=2, D=32):

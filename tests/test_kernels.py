@@ -453,3 +453,19 @@ def test_routing_matches_the_reference(kind, norm, rng):
     logits[1, 2] = np.nan
     for got, want in zip(fast.route(logits, 4, kind, norm), ref.route(logits, 4, kind, norm)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_an_experts_kept_kernel_arguments_follow_its_parts(rng):
+    """`CpuOps.experts` keeps each expert's kernel arguments on it; a copy with other parts
+    (`dataclasses.replace`, as pinning and uploads make) must be computed with its own weights."""
+    from dataclasses import replace
+
+    ops, ref = cpu.CpuOps(), ReferenceOps()
+    first, second = _experts(rng, "F16", 2, 64, 128)
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    group = lambda w: [(w, np.array([0], np.int32), np.array([1.0], np.float32))]  # noqa: E731
+    ops.experts(x, group(first), ExpertAct(), np.zeros_like(x))  # the arguments are kept on `first` now
+    swapped = replace(first, gate=second.gate, up=second.up, down=second.down)
+    got = ops.experts(x, group(swapped), ExpertAct(), np.zeros_like(x))
+    want = ref.experts(x, group(second), ExpertAct(), np.zeros_like(x))
+    assert rel_err(got, want) <= REL

@@ -53,13 +53,19 @@ def _f32(a: np.ndarray | None) -> np.ndarray | None:
 
 def _expert_args(w) -> tuple | None:
     """The weights' part of `_cpu.moe`'s per-expert tuple, built once per expert and kept on it (a
-    decode step used to rebuild it for every expert of every layer); None for float32 experts."""
-    if w.kernel_args is None:
-        if not all(isinstance(m, StoredMatrix) and m.dtype != "F32" for m in (w.gate, w.up, w.down)):
-            return None
-        w.kernel_args = (w.gate.data, w.up.data, w.down.data, w.gate.type_id, w.up.type_id, w.down.type_id,
-                         _f32(w.gate_bias), _f32(w.up_bias), _f32(w.down_bias))
-    return w.kernel_args
+    decode step used to rebuild it for every expert of every layer); None for float32 experts. Kept
+    with the objects it was built from: a copy made by `dataclasses.replace` (pinned or uploaded
+    parts) carries the field along, and must not get the old arrays."""
+    parts = (w.gate, w.up, w.down, w.gate_bias, w.up_bias, w.down_bias)
+    kept = w.kernel_args
+    if kept is not None and all(a is b for a, b in zip(kept[0], parts)):
+        return kept[1]
+    if not all(isinstance(m, StoredMatrix) and m.dtype != "F32" for m in parts[:3]):
+        return None
+    args = (w.gate.data, w.up.data, w.down.data, w.gate.type_id, w.up.type_id, w.down.type_id,
+            _f32(w.gate_bias), _f32(w.up_bias), _f32(w.down_bias))
+    w.kernel_args = (parts, args)
+    return args
 
 
 class CpuOps(ReferenceOps):
@@ -138,7 +144,7 @@ class CpuOps(ReferenceOps):
             return None
         mode = QK_NORM_IDS[c.qk_norm]
         qn, kn = (_f32(W[p + "q_norm"]), _f32(W[p + "k_norm"])) if mode else (None, None)
-        out = np.empty_like(h)
+        out = np.empty(h.shape, np.float32)
         _cpu.attn_block(np.ascontiguousarray(h), _f32(norm), c.rms_norm_eps, qkv.data, qkv.type_id,
                         _f32(W.get(p + "qkv_bias")), o.data, o.type_id, _f32(W.get(p + "o_bias")), mode, qn, kn,
                         keys, values, np.ascontiguousarray(cos), np.ascontiguousarray(sin),

@@ -34,7 +34,7 @@ class ExpertWeights:
     ready: object = None  # device backends: the copy-stream event to wait for before use
     pinned: bool = False  # host arrays already in page-locked memory (HostTier)
     alloc_bytes: int | None = None  # memory actually held (read buffers, page-rounded), when known
-    kernel_args: tuple | None = None  # the CPU kernels' view of these weights, built at first use (kernels/cpu.py)
+    kernel_args: tuple | None = None  # the CPU kernels' view of these parts and the parts it was built from (kernels/cpu.py)
 
     @property
     def nbytes(self) -> int:
