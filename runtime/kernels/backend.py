@@ -171,7 +171,7 @@ class Backend:
                 parts[name] = StoredMatrix(self.pin(a.data), a.dtype, a.shape)
             else:
                 parts[name] = self.pin(a)
-        return replace(w, **parts, pinned=True, alloc_bytes=None)
+        return replace(w, **parts, pinned=True, alloc_bytes=None, kernel_args=None)  # (no hold on the old parts)
 
     def limit_memory(self, nbytes: int | None) -> None:
         """Cap CuPy's memory pool at ``nbytes`` (the budget), so the budget binds on the device
@@ -209,7 +209,7 @@ class Backend:
                 parts[name] = DeviceStored(devs[name], a.dtype, a.shape, xp)
         event = self._copy_stream.record()
         self._in_flight.append((event, held))
-        return replace(w, **parts, ready=event, pinned=False, alloc_bytes=None)
+        return replace(w, **parts, ready=event, pinned=False, alloc_bytes=None, kernel_args=None)
 
     def _staged(self, hosts: dict):
         """(pinned buffer, device buffer, {name: device view}) holding every array of ``hosts``,
