@@ -35,7 +35,7 @@ setup(
         Extension(
             "s2moe._cpu",
             sources=SOURCES,
-            depends=[os.path.join("csrc", "cpu", f) for f in ("dot.h", "ops.h", "pool.h", "quant.h")],
+            depends=[os.path.join("csrc", "cpu", f) for f in ("dot.h", "ops.h", "pool.h", "quant.h", "simd.h")],
             extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-Wall", "-Wno-unknown-pragmas"],
             extra_link_args=["-pthread"],
             libraries=["m"],

@@ -15,8 +15,7 @@
 #include "ops.h"
 #include "pool.h"
 #include "quant.h"
-
-#define PARALLEL_MIN_WORK (96L * 1024L) /* as in ops.c: below it the pool costs more than it saves */
+#include "simd.h"
 
 typedef struct {
     float *qr; /* [T, nh*D]: q after RoPE */
@@ -64,22 +63,11 @@ static void head_portable(const float *q, const float *K, const float *V, const 
     for (long d = 0; d < D; d++) o[d] = acc[d] * inv;
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define HAVE_AVX2_PATH 1
-#define AVX2 __attribute__((target("avx2,fma")))
-
-static inline __attribute__((always_inline, target("avx2,fma"))) float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
+#ifdef HAVE_AVX2_PATH
 /* e^x for x ≤ 0 (scores minus their maximum): x = n·ln2 + r with |r| ≤ ln2/2, e^r by a degree-6
  * polynomial (Cephes' expf coefficients, relative error about 1e-7), 2^n through the exponent
  * bits. Below -87 the result is 0, as expf's underflow is. */
-static inline __attribute__((always_inline, target("avx2,fma"))) __m256 exp_neg8(__m256 x) {
+INLINE_AVX2 __m256 exp_neg8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_max_ps(x, lo);
@@ -101,7 +89,7 @@ static inline __attribute__((always_inline, target("avx2,fma"))) __m256 exp_neg8
 /* One head of one token (see head_portable). N8 = D / 8 is a compile-time constant in each
  * instance, so the loops unroll and the accumulators live in registers: with a run-time width the
  * compiler kept them in memory, and each slot waited on a store and a reload (2.3x slower). */
-static inline __attribute__((always_inline, target("avx2,fma"))) void head_avx2_n(
+INLINE_AVX2 void head_avx2_n(
     const long N8, const float *q, const float *K, const float *V, const uint8_t *ok, long S, float scale,
     const float *sink, float *scores, float *o) {
     const long D = 8 * N8;
@@ -137,7 +125,7 @@ static inline __attribute__((always_inline, target("avx2,fma"))) void head_avx2_
         const float *k = K + (size_t)s * D;
         __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
         for (long i = 1; i < N8; i++) a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), a);
-        scores[s] = hsum8(a);
+        scores[s] = hsum(a);
         if (scores[s] > top) top = scores[s];
     }
     if (sink && *sink > top) top = *sink;
@@ -205,7 +193,8 @@ static void attn_part(void *p, int ith, int nth) {
     const attn_args *a = j->a;
     const long D = a->D, S = a->start + a->T, group = a->nh / a->nkv;
     long items = (long)a->nh * a->T;
-    long i0 = items * ith / nth, i1 = items * (ith + 1) / nth;
+    long i0, i1;
+    pool_span(items, ith, nth, &i0, &i1);
     float *scores = malloc(sizeof(float) * (size_t)(S + D)), *acc = scores + S;
     if (!scores) return;
 #ifdef HAVE_AVX2_PATH
@@ -253,7 +242,7 @@ int op_attend(const attn_args *a) {
     }
     attn_job j = {qr, a};
     long work = (long)a->nh * T * (a->start + T) * D;
-    if (work < PARALLEL_MIN_WORK || pool_threads() <= 1)
+    if (work < POOL_MIN_WORK || pool_threads() <= 1)
         attn_part(&j, 0, 1);
     else
         pool_run(attn_part, &j, pool_chunks());

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 
 #include "quant.h"
+#include "simd.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* portable path                                                                              */
@@ -95,18 +96,7 @@ static void rows_q8act_portable(int type, const uint8_t *W, size_t rb, long K, l
 /* ------------------------------------------------------------------------------------------ */
 /* AVX2 path                                                                                  */
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define HAVE_AVX2_PATH 1
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE_AVX2 static inline __attribute__((always_inline, target("avx2,fma,f16c")))
-
-INLINE_AVX2 float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#ifdef HAVE_AVX2_PATH
 
 INLINE_AVX2 float h2f(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 

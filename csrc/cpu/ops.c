@@ -8,14 +8,6 @@
 #include "pool.h"
 #include "quant.h"
 
-/* Below this many weight x token products a job runs on the calling thread: waking the pool
- * costs more than it saves (routers, tiny test models). */
-#define PARALLEL_MIN_WORK (96L * 1024L)
-
-static void span(long n, int ith, int nth, long *a, long *b) {
-    *a = n * ith / nth;
-    *b = n * (ith + 1) / nth;
-}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* matmul: y[T, N] = x[T, K] W[N, K]^T (+ bias)                                                    */
@@ -34,7 +26,7 @@ typedef struct {
 static void matmul_part(void *p, int ith, int nth) {
     const matmul_job *j = p;
     long r0, r1;
-    span(j->N, ith, nth, &r0, &r1);
+    pool_span(j->N, ith, nth, &r0, &r1);
     if (r0 >= r1) return;
     rows_dot(j->type, j->W, j->rb, j->K, r0, r1, j->xs, j->ys, j->T);
     if (j->bias)
@@ -57,7 +49,7 @@ int op_matmul(int type, const uint8_t *W, long N, long K, const float *x, int T,
         ys[t] = y + (size_t)t * (size_t)N;
     }
     matmul_job j = {type, W, rb, N, K, T, xs, ys, bias};
-    if (N * K * (long)T < PARALLEL_MIN_WORK || pool_threads() <= 1)
+    if (N * K * (long)T < POOL_MIN_WORK || pool_threads() <= 1)
         matmul_part(&j, 0, 1);
     else
         pool_run(matmul_part, &j, pool_chunks());
@@ -112,7 +104,7 @@ static void moe_gate_up_part(void *p, int ith, int nth) {
     const moe_job *m = p;
     const long I = m->I, H = m->H;
     long a0, a1;
-    span((long)m->n_ex * I, ith, nth, &a0, &a1);
+    pool_span((long)m->n_ex * I, ith, nth, &a0, &a1);
     for (int e = 0; e < m->n_ex && a0 < a1; e++) {
         long lo = (long)e * I, hi = lo + I;
         if (a1 <= lo || a0 >= hi) continue;
@@ -135,7 +127,7 @@ static void moe_down_part(void *p, int ith, int nth) {
     const moe_job *m = p;
     const long I = m->I, H = m->H;
     long r0, r1;
-    span(H, ith, nth, &r0, &r1);
+    pool_span(H, ith, nth, &r0, &r1);
     if (r0 >= r1) return;
     for (int e = 0; e < m->n_ex; e++) {
         const moe_expert *x = &m->ex[e];
@@ -188,7 +180,7 @@ int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float
         rows += 4 * (size_t)n;
     }
     long work = 3 * pairs * I * H;
-    if (work < PARALLEL_MIN_WORK || pool_threads() <= 1) {
+    if (work < POOL_MIN_WORK || pool_threads() <= 1) {
         moe_gate_up_part(&m, 0, 1);
         moe_down_part(&m, 0, 1);
     } else {

@@ -21,6 +21,16 @@ int pool_chunks(void);
 /* Run fn(ctx, i, n) once for every i in 0..n-1, on the caller and on any worker that joins;
  * returns when all are done and no worker touches ctx any more. */
 void pool_run(pool_fn fn, void *ctx, int n);
+/* Below this many multiply-adds a job runs on the calling thread: waking the pool costs more than
+ * it saves (routers, tiny test models, attention over a short cache). */
+#define POOL_MIN_WORK (96L * 1024L)
+
+/* Chunk ith of nth of n items: [*a, *b). */
+static inline void pool_span(long n, int ith, int nth, long *a, long *b) {
+    *a = n * ith / nth;
+    *b = n * (ith + 1) / nth;
+}
+
 /* Tests: while on, workers wait before joining a job, as if the OS had not woken them yet. */
 void pool_hold_workers(int on);
 
