@@ -140,7 +140,13 @@ def build_engine(
     full = plan.expert_capacity >= plan.expert_total
     hot = read_hot_experts(hot_experts, loaded) if isinstance(hot_experts, str) else \
         expert_pairs(list(hot_experts or []), loaded.config, "hot experts")
-    size = lambda key: size_of(loaded.experts[key])  # noqa: E731
+    sizes: dict = {}  # an expert's resident bytes, worked out once (a prefetch asks on every guess)
+
+    def size(key):
+        if key not in sizes:
+            sizes[key] = size_of(loaded.experts[key])
+        return sizes[key]
+
     if trim_hot and sum(map(size, hot)) > plan.expert_capacity:  # a profile's list, the user's budget
         kept = head_that_fits(hot, size, plan.expert_capacity)
         _note(f"{budget_from} leaves {fmt_bytes(plan.expert_capacity)} for experts at this context: pinning the "

@@ -31,6 +31,23 @@ def test_restrict_keeps_allowed_choices_and_falls_back_by_rule():
 
 
 @pytest.mark.parametrize("fallback", ["best", "skip"])
+def test_restrict_of_one_token_matches_the_batch_path(fallback):
+    """A single token takes a list fast path; it must agree with the array path (the same row
+    twice) on every mask, dropped choices (-1) and fallbacks included."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        E, k = int(rng.integers(2, 9)), int(rng.integers(1, 4))
+        experts = rng.choice(np.arange(-1, E), size=(1, k))
+        weights = rng.random((1, k)).astype(np.float32)
+        logits = rng.standard_normal((1, E)).astype(np.float32)
+        allowed = rng.random(E) < rng.random()
+        e1, w1 = restrict(experts, weights, logits, allowed, fallback)
+        e2, w2 = restrict(np.repeat(experts, 2, 0), np.repeat(weights, 2, 0), np.repeat(logits, 2, 0), allowed, fallback)
+        assert e1.tolist() == e2[:1].tolist() and w1.tolist() == w2[:1].tolist()
+        assert e1.dtype == e2.dtype and w1.dtype == w2.dtype == np.float32
+
+
+@pytest.mark.parametrize("fallback", ["best", "skip"])
 @pytest.mark.parametrize("method", ["s2moe", "ca", "confidence"])
 def test_draft_never_fetches_and_greedy_output_stays_ar(method, fallback):
     engine = build_engine(str(DEFAULT_MODEL), "0.25", 256)

@@ -23,35 +23,64 @@ def model_copy(tiny_model_dirs, tmp_path):
     return str(shutil.copytree(tiny_model_dirs["olmoe"][1], tmp_path / "m"))
 
 
-def _engine(folder, direct):
-    return build_engine(folder, "0.25", 64, direct_io=direct)
+def _engine(folder, mode):
+    """``mode``: "native" (O_DIRECT on the extension's I/O threads, the default where built),
+    "python" (O_DIRECT on Python threads) or "buffered"."""
+    engine = build_engine(folder, "0.25", 64, direct_io=mode != "buffered")
+    if mode == "python":
+        engine.cache.store.native = False
+    store = engine.cache.store
+    key = next(iter(store.refs))
+    assert (store.native and store.direct(*key)) == (mode == "native")
+    return engine
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_eio_on_expert_read_names_expert_and_file(model_copy, monkeypatch, direct):
-    engine = _engine(model_copy, direct)
+def _native():
+    from s2moe import _cpu
+
+    return _cpu
+
+
+MODES = ["native", "python", "buffered"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eio_on_expert_read_names_expert_and_file(model_copy, monkeypatch, mode):
+    engine = _engine(model_copy, mode)
 
     def failing(*a, **k):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(os, "preadv" if direct else "pread", failing)
-    with pytest.raises(ExpertReadError) as exc:
-        generate_ar(engine.model, [1, 2, 3], 4)
+    if mode == "native":
+        _native().io_inject(errno.EIO)
+    monkeypatch.setattr(os, "pread" if mode == "buffered" else "preadv", failing)
+    try:
+        with pytest.raises(ExpertReadError) as exc:
+            generate_ar(engine.model, [1, 2, 3], 4)
+    finally:
+        if mode == "native":
+            _native().io_inject()
     msg = str(exc.value)
     assert "model.safetensors" in msg and "expert" in msg and "layer" in msg and "Input/output error" in msg
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_short_read_is_an_error_not_garbage(model_copy, monkeypatch, direct):
-    engine = _engine(model_copy, direct)
-    if direct:
+@pytest.mark.parametrize("mode", MODES)
+def test_short_read_is_an_error_not_garbage(model_copy, monkeypatch, mode):
+    engine = _engine(model_copy, mode)
+    if mode == "native":
+        _native().io_inject(0, 100)
+    elif mode == "python":
         real = os.preadv
         monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: min(real(fd, bufs, off), 100))
     else:
         real = os.pread
         monkeypatch.setattr(os, "pread", lambda fd, n, off: real(fd, n, off)[:100])
-    with pytest.raises(ExpertReadError, match="short read"):
-        generate_ar(engine.model, [1, 2, 3], 4)
+    try:
+        with pytest.raises(ExpertReadError, match="short read"):
+            generate_ar(engine.model, [1, 2, 3], 4)
+    finally:
+        if mode == "native":
+            _native().io_inject()
 
 
 def test_an_aligned_read_one_byte_short_is_an_error(tmp_path, monkeypatch):
@@ -73,8 +102,9 @@ def test_an_aligned_read_one_byte_short_is_an_error(tmp_path, monkeypatch):
         reader.read(str(path), offset, nbytes, "a range")
 
 
-def test_model_file_rewritten_in_place_is_detected(model_copy):
-    engine = _engine(model_copy, True)
+@pytest.mark.parametrize("mode", ["native", "python"])
+def test_model_file_rewritten_in_place_is_detected(model_copy, mode):
+    engine = _engine(model_copy, mode)
     generate_ar(engine.model, [1, 2, 3], 2)  # opens the file
     path = os.path.join(model_copy, "model.safetensors")
     with open(path, "r+b") as f:  # same inode, new bytes and mtime
@@ -90,7 +120,7 @@ def test_cli_exit_code_for_read_failure(model_copy):
     path = os.path.join(model_copy, "model.safetensors")
     code = ("import os, errno, sys; real = os.preadv\n"
             "def bad(fd, b, off):\n    raise OSError(errno.EIO, 'Input/output error')\n"
-            "os.preadv = bad\nfrom s2moe.runtime.cli import main\n"
+            "os.preadv = bad\nfrom s2moe import _cpu\n_cpu.io_inject(errno.EIO)\nfrom s2moe.runtime.cli import main\n"
             f"sys.argv = ['s2moe', 'run', '-m', {model_copy!r}, '-p', 'def f', '-n', '4', '--method', 'ar']\nmain()")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 4, r.stderr

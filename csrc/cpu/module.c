@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "aio.h"
 #include "dot.h"
 #include "ops.h"
 #include "pool.h"
@@ -421,4 +422,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", "s2moe CPU kernels on stored weight blocks", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__cpu(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && aio_register(m) < 0) Py_CLEAR(m);
+    return m;
+}

@@ -22,8 +22,14 @@ int pool_chunks(void);
  * returns when all are done and no worker touches ctx any more. */
 void pool_run(pool_fn fn, void *ctx, int n);
 /* Below this many multiply-adds a job runs on the calling thread: waking the pool costs more than
- * it saves (routers, tiny test models, attention over a short cache). */
-#define POOL_MIN_WORK (96L * 1024L)
+ * it saves (routers, the embedded model's decode experts, attention over a short cache). At 96K a
+ * decode pass of the embedded model ran 1.10-1.16x slower on two threads than on one; at 512K the
+ * two agree (docs/performance/kernels.md, "Reads off the GIL"). A tight loop of one call shows the
+ * pool paying from ~128K, but inside a pass its worker is often asleep or spinning on a core the
+ * caller's Python needs. */
+#ifndef POOL_MIN_WORK
+#define POOL_MIN_WORK (512L * 1024L)
+#endif
 
 /* Chunk ith of nth of n items: [*a, *b). */
 static inline void pool_span(long n, int ith, int nth, long *a, long *b) {

@@ -25,7 +25,7 @@ from .live_costs import LiveCosts
 from .rate_guard import RateGuard
 from ..engine import phase_of
 from .generate import GenerationResult
-from .gating import ReuseGating, preferred_set
+from .gating import ReuseGating
 from ..model.kv_cache import KVCache
 from .methods import MethodSpec, SpecSettings
 from ..model.forward import MoEModel
@@ -120,33 +120,41 @@ class SpeculativeDecoder:
         With reuse-aware gating and the batch's experts so far (``batch``), the top-k of the logits
         as gating will bias them: the batch's experts (and, for the "resident" variant, what the
         fast tier holds or is reading and its E* would take) raised by the token's own top-1 −
-        (k+1)-th gap, so AE prices what verification will really load."""
-        biased = batch is not None and self.method.reuse_gating and self.settings.rg_strength > 0
-        out: set[Key] = set()
-        for L, r in record.layers.items():
-            row = r.logits[t:t + 1].astype(np.float64)
-            if biased:
-                favoured = np.zeros(row.shape[1], dtype=bool)
-                favoured[[e for layer, e in batch if layer == L]] = True
-                if self.settings.rg_variant == "resident":
-                    favoured |= self._tier_in_preferred_set(L, row[0])
-                ordered = -np.sort(-row[0])
-                gap = ordered[0] - ordered[min(self.top_k, row.shape[1] - 1)]
-                row = row + self.settings.rg_strength * gap * favoured
-            out.update((L, int(e)) for e in top_k_indices(row, self.top_k)[0])
-        return out
+        (k+1)-th gap, so AE prices what verification will really load. Every layer at once: this
+        runs once or twice per draft pass."""
+        layers = list(record.layers)
+        if not layers:  # (a stub model without MoE layers)
+            return set()
+        rows = np.stack([record.layers[L].logits[t] for L in layers]).astype(np.float64)  # [layers, E]
+        if batch is not None and self.method.reuse_gating and self.settings.rg_strength > 0:
+            index = {L: i for i, L in enumerate(layers)}
+            favoured = np.zeros(rows.shape, dtype=bool)
+            for L, e in batch:
+                if L in index:
+                    favoured[index[L], e] = True
+            if self.settings.rg_variant == "resident":
+                favoured |= self._tier_in_preferred_set(layers, rows)
+            ordered = -np.sort(-rows, axis=1)
+            gap = ordered[:, 0] - ordered[:, min(self.top_k, rows.shape[1] - 1)]
+            rows = rows + self.settings.rg_strength * gap[:, None] * favoured
+        return {(L, e) for L, top in zip(layers, top_k_indices(rows, self.top_k).tolist()) for e in top}
 
-    def _tier_in_preferred_set(self, layer: int, logits: np.ndarray):
-        """The available experts (resident or being read) that the "resident" variant's E* takes
-        for this token: its logits scaled to [0, 1], plus ρ where available, top max(cap, k), as
-        `ReuseGating` ranks a batch's importance. A small ρ adds only the available experts the
-        token already ranks high; ρ ≥ 1 adds every one (up to the cap)."""
-        avail = self._available(layer)
-        if avail is None or self.settings.rg_residency <= 0:  # ρ = 0: the paper's E*, AE's paper rule
+    def _tier_in_preferred_set(self, layers: list[int], logits: np.ndarray):
+        """[layers, E] bool: the available experts (resident or being read) that the "resident"
+        variant's E* takes for this token, per layer: its logits scaled to [0, 1], plus ρ where
+        available, top max(cap, k), as `ReuseGating` ranks a batch's importance (`preferred_set`,
+        row by row). A small ρ adds only the available experts the token already ranks high;
+        ρ ≥ 1 adds every one (up to the cap)."""
+        masks = [self._available(L) for L in layers]
+        if masks[0] is None or self.settings.rg_residency <= 0:  # ρ = 0: the paper's E*, AE's paper rule
             return False
-        star = np.zeros(logits.size, dtype=bool)
-        star[preferred_set(logits, max(self.settings.reuse_cap_for(self.top_k), self.top_k),
-                           self.settings.rg_residency, avail)] = True
+        avail = np.stack(masks)
+        low = logits.min(1, keepdims=True)
+        spread = logits.max(1, keepdims=True) - low
+        g = (logits - low) / np.where(spread > 0, spread, 1.0) + self.settings.rg_residency * avail
+        size = min(max(self.settings.reuse_cap_for(self.top_k), self.top_k), logits.shape[1])
+        star = np.zeros(logits.shape, dtype=bool)
+        np.put_along_axis(star, top_k_indices(g, size), True, axis=1)
         return avail & star
 
     def _pick(self, logits: np.ndarray, draws, position: int) -> tuple[int, float, np.ndarray | None]:

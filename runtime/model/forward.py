@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -53,9 +53,10 @@ class TimeSplit:
 
 
 class _NoSplit:
-    @contextmanager
+    _none = nullcontext()  # one reusable no-op: a generator context per part cost ~20 us a pass
+
     def part(self, name: str):
-        yield
+        return self._none
 
 
 class MoEModel:

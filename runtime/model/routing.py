@@ -39,6 +39,13 @@ def restrict(experts: np.ndarray, weights: np.ndarray, logits: np.ndarray, allow
     weight 0 (the pass skips them). A token left with none gets, with ``fallback="best"``, the
     allowed expert its router scores highest, at the weight of its own top choice; with "skip"
     that layer's experts contribute nothing for it."""
+    if experts.shape[0] == 1:  # a decode token (every draft pass): lists beat NumPy's per-call cost
+        row_e, row_w, ok = experts[0].tolist(), weights[0].tolist(), allowed.tolist()
+        kept = [(e, w) if e >= 0 and ok[e] else (-1, 0.0) for e, w in zip(row_e, row_w)]
+        if fallback == "best" and all(e < 0 for e, _ in kept) and any(ok):
+            kept[0] = (int(np.where(allowed, logits[0], -np.inf).argmax()), row_w[0])
+        return (np.array([[e for e, _ in kept]], dtype=experts.dtype),
+                np.array([[w for _, w in kept]], dtype=np.float32))
     keep = (experts >= 0) & allowed[np.maximum(experts, 0)]
     empty = ~keep.any(-1)
     out_e = np.where(keep, experts, -1)

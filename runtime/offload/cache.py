@@ -196,6 +196,13 @@ POLICIES = {"lru": LRU, "lfu": DecayedLFU}
 
 def _done(item) -> bool:
     return item.done() if hasattr(item, "done") else True
+
+
+def _landed(item, done: list) -> float | None:
+    """When a prefetch's read finished (perf_counter seconds), if known: the future's own record
+    (`NativeFetch.done_at`), else what its done-callback noted."""
+    at = getattr(item, "done_at", None)
+    return at if at is not None else (done[0] if done else None)
 DEFAULT_POLICY = "lfu"
 
 
@@ -423,8 +430,9 @@ class ExpertCache:
                     w = self.place(item.result() if hasattr(item, "result") else item)
                     if key in issued:  # a prefetch: how much of its read the pass did not wait for
                         t_issue, done = issued.pop(key)
-                        self.prefetch_stats.waited_seconds += max(0.0, (done[0] if done else waited) - waited)
-                        self.prefetch_stats.read_seconds += (done[0] if done else time.perf_counter()) - t_issue
+                        landed = _landed(item, done)
+                        self.prefetch_stats.waited_seconds += max(0.0, (landed or waited) - waited)
+                        self.prefetch_stats.read_seconds += (landed or time.perf_counter()) - t_issue
                     stats.bytes_read += self.store.stored_bytes(*key)
                     if self._make_room(key, w.nbytes, protected):
                         self._keep(key, w)

@@ -44,6 +44,15 @@ def reset_warnings() -> None:
 _MAX_GAP = 256
 
 
+def short_read(path: str, where: str, got: int, nbytes: int) -> ExpertReadError:
+    return ExpertReadError(f"{path}: short read of {where} ({max(got, 0)} of {nbytes} bytes); "
+                           "was the file truncated or replaced?")
+
+
+def read_failed(path: str, where: str, exc: OSError) -> ExpertReadError:
+    return ExpertReadError(f"{path}: reading {where} failed ({exc.strerror or exc})")
+
+
 def coalesce(refs):
     """Merge byte ranges that lie next to each other in one file into single reads (per-expert
     checkpoints store gate/up/down of an expert back to back): [(span ref, [(index, ref), ...])]."""
@@ -187,17 +196,15 @@ class FileReader:
                 buf = self.pool.take(head + nbytes) if self.pool else aligned_empty(head + nbytes)
                 got = os.preadv(fd, [memoryview(buf)], offset - head)
                 if got < head + nbytes:
-                    raise ExpertReadError(f"{path}: short read of {where} ({max(got - head, 0)} of {nbytes} "
-                                          "bytes); was the file truncated or replaced?")
+                    raise short_read(path, where, got - head, nbytes)
                 return buf[head: head + nbytes]
             data = os.pread(fd, nbytes, offset)  # the bytes object is the buffer: no copy
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
-            raise ExpertReadError(f"{path}: reading {where} failed ({exc.strerror or exc})") from None
+            raise read_failed(path, where, exc) from None
         if len(data) != nbytes:
-            raise ExpertReadError(f"{path}: short read of {where} ({len(data)} of {nbytes} bytes); "
-                                  "was the file truncated or replaced?")
+            raise short_read(path, where, len(data), nbytes)
         return np.frombuffer(data, dtype=np.uint8)
 
     def read_ref(self, ref) -> np.ndarray:

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 from ..model.loader import ExpertRefs, LoadedModel
 from .experts import ExpertWeights, assemble
-from .reader import ALIGN, BufferPool, FileReader, coalesce, reset_warnings, warn_once  # noqa: F401 (re-exported)
+from .reader import (ALIGN, BufferPool, FileReader, aligned_empty, coalesce, read_failed, reset_warnings,  # noqa: F401
+                     short_read, warn_once)
+
+try:  # the extension's I/O threads (csrc/cpu/aio.c); without it, fetches run on Python threads
+    from s2moe._cpu import Read as _NativeRead, io_threads as _io_threads
+except ImportError:
+    _NativeRead = _io_threads = None
 
 
 @dataclass
@@ -98,27 +104,54 @@ class ExpertStore:
         self.reader = FileReader(direct, BufferPool(pool_bytes) if pool_bytes > 0 else None)
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="s2moe-fetch") if threads > 1 else None
+        self._plans: dict[tuple[int, int], tuple] = {}
+        self._alloc: dict[tuple[int, int], int] = {}  # resident bytes per expert, as read here
+        # O_DIRECT fetches on the extension's I/O threads, which never take the GIL: a Python fetch
+        # thread takes it twice per read, and each hand-over cost the compute beside it 0.1-0.5 ms
+        # on this VM (docs/performance/kernels.md, "Reads off the GIL"). Emulated links and buffered
+        # files keep the Python threads (their waits and page dropping are written there).
+        self.native = _NativeRead is not None and threads > 1 and not emulation.active
+        if self.native:
+            _io_threads(threads)
+
+    def plan(self, layer: int, expert: int) -> tuple:
+        """(refs, spans to read, files they touch, aligned reads), worked out once per expert: a fetch then runs
+        little Python (a read used to spend ~35 us coalescing and sizing with the GIL held)."""
+        key = (layer, expert)
+        plan = self._plans.get(key)
+        if plan is None:
+            refs = self.refs[key]
+            spans = coalesce(refs.refs)
+            # per span, what an aligned read of it takes: (span, members, alignment head, bytes to read)
+            reads = [(span, members, span.offset % ALIGN, span.offset % ALIGN + span.nbytes) for span, members in spans]
+            plan = self._plans[key] = (refs, spans, sorted({r.path for r in refs.refs}), reads)
+        return plan
+
+    def _assemble(self, refs: ExpertRefs, raws: list) -> ExpertWeights:
+        weights = assemble(refs.layout, {role: (ref, raw) for (role, ref), raw in zip(refs.parts, raws)})
+        key = (refs.layer, refs.expert)
+        alloc = self._alloc.get(key)
+        if alloc is None:
+            alloc = self._alloc[key] = refs.resident_bytes_for(self.reader.is_direct(refs.gate.path))
+        weights.alloc_bytes = alloc
+        return weights
 
     @property
     def direct_files(self) -> dict[str, bool]:
         return self.reader.direct_files
 
     def read(self, layer: int, expert: int) -> ExpertWeights:
-        refs = self.refs[layer, expert]
+        refs, spans, paths, _ = self.plan(layer, expert)
         where = f"expert {expert} of layer {layer}"
         t0 = time.perf_counter()
         raws: list = [None] * len(refs.parts)
-        for span, members in coalesce(refs.refs):
-            buf = self.reader.read(span.path, span.offset, span.nbytes, where)
-            for i, ref in members:  # views into the span's buffer: no copy
-                raws[i] = buf[ref.offset - span.offset: ref.offset - span.offset + ref.nbytes]
-        for path in {r.path for r in refs.refs}:
+        for span, members in spans:
+            split(self.reader.read(span.path, span.offset, span.nbytes, where), span, members, raws)
+        for path in paths:
             self.reader.check_unchanged(path, where)
         if self.emulation.active:  # the real read happened; now wait out the emulated link
             _wait_until(self.emulation.finish_time(t0, refs.stored_bytes))
-        weights = assemble(refs.layout, {role: (ref, raw) for (role, ref), raw in zip(refs.parts, raws)})
-        weights.alloc_bytes = refs.resident_bytes_for(self.reader.is_direct(refs.gate.path))
-        return weights
+        return self._assemble(refs, raws)
 
     def read_undecoded(self, layer: int, expert: int) -> int:
         """The same reads as ``read`` without assembling (benchmarks separate I/O from the rest)."""
@@ -142,6 +175,9 @@ class ExpertStore:
 
     def submit(self, layer: int, experts: list[int]):
         """Start reading ``experts`` on the fetch threads; returns futures (one per expert)."""
+        if self.native:
+            return [NativeFetch(self, layer, e) if self.direct(layer, e) else self._pool.submit(self.read, layer, e)
+                    for e in experts]
         if self._pool is None:
             from concurrent.futures import Future
 
@@ -153,6 +189,10 @@ class ExpertStore:
             return futures
         return [self._pool.submit(self.read, layer, e) for e in experts]
 
+    def direct(self, layer: int, expert: int) -> bool:
+        """Whether every file of the expert is read with O_DIRECT."""
+        return all(self.reader.is_direct(path) for path in self.plan(layer, expert)[2])
+
     def stored_bytes(self, layer: int, expert: int) -> int:
         return self.refs[layer, expert].stored_bytes
 
@@ -160,3 +200,66 @@ class ExpertStore:
         if self._pool:
             self._pool.shutdown(wait=True)
         self.reader.close()
+
+
+def split(buf, span, members, raws: list) -> None:
+    """The parts a span's buffer holds, as views (no copy), into ``raws`` by part index."""
+    for i, ref in members:
+        raws[i] = buf[ref.offset - span.offset: ref.offset - span.offset + ref.nbytes]
+
+
+class NativeFetch:
+    """One expert read on the extension's I/O threads (`_cpu.Read`), as a future: `done`, `result`,
+    `cancel`, and `done_at` (when the bytes landed, in `time.perf_counter` seconds). No Python
+    runs for it until the pass collects it; `result` then checks and assembles the weights."""
+
+    def __init__(self, store: ExpertStore, layer: int, expert: int):
+        self.store, self.layer, self.expert = store, layer, expert
+        reader = store.reader
+        self._parts = []  # (span, members, buffer, head, read)
+        for span, members, head, size in store.plan(layer, expert)[3]:
+            buf = reader.pool.take(size) if reader.pool else aligned_empty(size)
+            self._parts.append((span, members, buf, head, _NativeRead(reader.fd(span.path), span.offset - head, buf)))
+        self._weights: ExpertWeights | None = None
+        self._done_at: float | None = None
+
+    def done(self) -> bool:
+        return self._weights is not None or all(part[4].done() for part in self._parts)
+
+    def cancel(self) -> bool:
+        """True if no part had started (none will); a part cancelled beside one that had started is
+        read again, in `result`, so the future stays whole."""
+        cancelled = [part[4].cancel() for part in self._parts]
+        return all(cancelled)
+
+    @property
+    def done_at(self) -> float | None:
+        if self._done_at is None and self._parts:
+            times = [part[4].done_at for part in self._parts]
+            self._done_at = None if None in times else max(times)
+        return self._done_at
+
+    def result(self) -> ExpertWeights:
+        if self._weights is not None:
+            return self._weights
+        store, reader = self.store, self.store.reader
+        refs, _, paths, _ = store.plan(self.layer, self.expert)
+        where = f"expert {self.expert} of layer {self.layer}"
+        raws: list = [None] * len(refs.parts)
+        for span, members, buf, head, read in self._parts:
+            try:
+                got = read.wait()
+            except RuntimeError:  # cancelled while another part ran: read it here
+                split(reader.read(span.path, span.offset, span.nbytes, where), span, members, raws)
+                continue
+            except OSError as exc:
+                raise read_failed(span.path, where, exc) from None
+            if got < head + span.nbytes:
+                raise short_read(span.path, where, got - head, span.nbytes)
+            split(buf[head: head + span.nbytes], span, members, raws)
+        for path in paths:
+            reader.check_unchanged(path, where)
+        self._weights = store._assemble(refs, raws)
+        self._done_at = self.done_at  # (kept: the parts go)
+        self._parts = []  # the buffers now belong to the weights
+        return self._weights
