@@ -373,6 +373,13 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
 
 static PyObject *py_threads(PyObject *self, PyObject *noargs) { return PyLong_FromLong(pool_threads()); }
 
+static PyObject *py_pool_min_work(PyObject *self, PyObject *args) {
+    long n = -1;
+    if (!PyArg_ParseTuple(args, "|l", &n)) return NULL;
+    if (n >= 0) pool_min_work = n;
+    return PyLong_FromLong(pool_min_work);
+}
+
 static PyObject *py_hold_workers(PyObject *self, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
@@ -411,6 +418,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): RMSNorm over rows of len(w)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n) -> threads in use (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads in use"},
+    {"pool_min_work", py_pool_min_work, METH_VARARGS, "pool_min_work([n]) -> multiply-adds below which a job runs on the caller"},
     {"hold_workers", py_hold_workers, METH_VARARGS, "hold_workers(on): tests; workers wait before joining a job while on"},
     {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},
     {"act_q8", py_act_q8, METH_VARARGS, "act_q8([on]) -> whether Q8_0 / Q4_0 rows meet int8 activations (the default)"},

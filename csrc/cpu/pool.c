@@ -25,6 +25,8 @@
 
 #define CHUNKS_PER_THREAD 4
 
+long pool_min_work = POOL_MIN_WORK_DEFAULT;
+
 static struct {
     pthread_t tid[MAX_THREADS];
     int n;                       /* threads in all, the caller included */

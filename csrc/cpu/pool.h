@@ -26,10 +26,10 @@ void pool_run(pool_fn fn, void *ctx, int n);
  * decode pass of the embedded model ran 1.10-1.16x slower on two threads than on one; at 512K the
  * two agree (docs/performance/kernels.md, "Reads off the GIL"). A tight loop of one call shows the
  * pool paying from ~128K, but inside a pass its worker is often asleep or spinning on a core the
- * caller's Python needs. */
-#ifndef POOL_MIN_WORK
-#define POOL_MIN_WORK (512L * 1024L)
-#endif
+ * caller's Python needs. Settable (`_cpu.pool_min_work`) for benchmarks and tests. */
+#define POOL_MIN_WORK_DEFAULT (512L * 1024L)
+extern long pool_min_work;
+#define POOL_MIN_WORK pool_min_work
 
 /* Chunk ith of nth of n items: [*a, *b). */
 static inline void pool_span(long n, int ith, int nth, long *a, long *b) {
