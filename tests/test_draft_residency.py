@@ -93,6 +93,9 @@ def test_prefetch_stays_within_its_slots_and_marks_only_its_own_layer_available(
     assert cache.prefetch([(2, 0)]) == 0  # full until the pass they were for settles them
     assert set(np.nonzero(cache.available_mask(1, E))[0]) == set(range(slots))
     assert not cache.available_mask(0, E).any() and not cache.available_mask(2, E).any()
+    engine.model.forward([5, 6], engine.model.new_cache(8))  # some experts resident beside the reads
+    for layers in ([0, 1, 2, 3], [3, 1]):  # every layer's mask at once, in the order asked
+        assert (cache.available_masks(layers, E) == np.stack([cache.available_mask(L, E) for L in layers])).all()
     cache.settle_prefetches()
     assert cache.prefetching == 0 and cache.resident_bytes <= cache.capacity
     engine.close()

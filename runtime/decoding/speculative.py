@@ -145,16 +145,22 @@ class SpeculativeDecoder:
         available, top max(cap, k), as `ReuseGating` ranks a batch's importance (`preferred_set`,
         row by row). A small ρ adds only the available experts the token already ranks high;
         ρ ≥ 1 adds every one (up to the cap)."""
-        masks = [self._available(L) for L in layers]
-        if masks[0] is None or self.settings.rg_residency <= 0:  # ρ = 0: the paper's E*, AE's paper rule
+        if self.settings.rg_residency <= 0:  # ρ = 0: the paper's E*, AE's paper rule
             return False
-        avail = np.stack(masks)
+        masks = getattr(self.cache, "available_masks", None)
+        if masks is not None:
+            avail = masks(layers, logits.shape[1])
+        else:  # a provider with the one-layer query only
+            rows = [self._available(L) for L in layers]
+            avail = None if rows[0] is None else np.stack(rows)
+        if avail is None:  # no budget: nothing to favour
+            return False
         low = logits.min(1, keepdims=True)
         spread = logits.max(1, keepdims=True) - low
         g = (logits - low) / np.where(spread > 0, spread, 1.0) + self.settings.rg_residency * avail
         size = min(max(self.settings.reuse_cap_for(self.top_k), self.top_k), logits.shape[1])
         star = np.zeros(logits.shape, dtype=bool)
-        np.put_along_axis(star, top_k_indices(g, size), True, axis=1)
+        star[np.arange(len(layers))[:, None], top_k_indices(g, size)] = True
         return avail & star
 
     def _pick(self, logits: np.ndarray, draws, position: int) -> tuple[int, float, np.ndarray | None]:

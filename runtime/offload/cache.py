@@ -565,6 +565,25 @@ class ExpertCache:
     def in_flight(self, key: Key) -> bool:
         return key in self._prefetched
 
+    def available_masks(self, layers: Sequence[int], num_experts: int):
+        """[len(layers), E] bool, each row `available_mask` of that layer, built at once (AE asks
+        for every layer on each draft token); None without a budget."""
+        if self.capacity is None:
+            return None
+        row = {L: i for i, L in enumerate(layers)}
+        rows, cols = [], []
+        for L, i in row.items():
+            experts = self._by_layer.get(L, ())
+            rows.extend([i] * len(experts))
+            cols.extend(experts)
+        for L, e in self._prefetched:
+            if L in row:
+                rows.append(row[L])
+                cols.append(e)
+        mask = np.zeros((len(layers), num_experts), dtype=bool)
+        mask[rows, cols] = True
+        return mask
+
     def available_mask(self, layer: int, num_experts: int):
         """[E] bool: resident or being prefetched (None without a budget)."""
         mask = self.resident_mask(layer, num_experts)
