@@ -214,13 +214,15 @@ def test_a_job_finishes_on_the_caller_when_no_worker_joins(rng):
 
 
 def test_workers_that_wake_during_a_job_join_it_correctly(rng):
-    """Calls spaced on both sides of the workers' 50 us spin, so a worker is spinning, just asleep or
-    long asleep when a job starts, and wakes while it runs or after it: a late worker takes the
-    chunks left, or none, and never a closed job's."""
+    """Calls spaced on both sides of the workers' spin (set to 50 us here; the default keeps them
+    awake through a pass), so a worker is spinning, just asleep or long asleep when a job starts,
+    and wakes while it runs or after it: a late worker takes the chunks left, or none, and never a
+    closed job's."""
     from s2moe import _cpu
 
     call, want = _pooled_calls(rng)
     ops = cpu.CpuOps(threads=2)
+    spin = _cpu.pool_spin_us(50)
     try:
         for i in range(48):
             pause = (0.0, 0.00002, 0.00005, 0.0001, 0.0003, 0.001)[i % 6]
@@ -229,7 +231,32 @@ def test_workers_that_wake_during_a_job_join_it_correctly(rng):
             y, out = call(ops)
             assert rel_err(y, want[0]) <= REL and rel_err(out, want[1]) <= REL, i
     finally:
+        _cpu.pool_spin_us(spin)
         _cpu.set_threads(cpu.default_threads())
+
+
+def test_a_job_gives_the_same_bits_pooled_or_on_the_caller(rng):
+    """The pool splits products by output rows, so moving the threshold (`pool_min_work`) moves
+    work between threads without changing a bit: every small call below once all on the caller,
+    once split."""
+    from s2moe import _cpu
+
+    W = random_matrix(rng, "F16", 96, 64)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    experts = _experts(rng, "Q8_0", 3, 32, 64)
+    groups = [(w, np.array(r, np.int32), np.full(len(r), 0.5, np.float32)) for w, r in zip(experts, ([0], [1], [0, 1]))]
+    ops, act = cpu.CpuOps(threads=2), ExpertAct()
+    before = _cpu.pool_min_work()
+    try:
+        got = []
+        for threshold in (1 << 40, 0):
+            _cpu.pool_min_work(threshold)
+            got.append((ops.linear(x, W), ops.experts(x, groups, act, np.zeros((2, 64), np.float32))))
+    finally:
+        _cpu.pool_min_work(before)
+        _cpu.set_threads(cpu.default_threads())
+    for a, b in zip(*got):
+        assert np.array_equal(a, b)
 
 
 def test_select_ops_names_its_choice(monkeypatch):

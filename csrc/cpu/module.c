@@ -373,6 +373,13 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
 
 static PyObject *py_threads(PyObject *self, PyObject *noargs) { return PyLong_FromLong(pool_threads()); }
 
+static PyObject *py_pool_spin_us(PyObject *self, PyObject *args) {
+    long us = -1;
+    if (!PyArg_ParseTuple(args, "|l", &us)) return NULL;
+    if (us >= 0) pool_spin_ns = us * 1000L;
+    return PyLong_FromLong(pool_spin_ns / 1000L);
+}
+
 static PyObject *py_pool_min_work(PyObject *self, PyObject *args) {
     long n = -1;
     if (!PyArg_ParseTuple(args, "|l", &n)) return NULL;
@@ -418,6 +425,7 @@ static PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): RMSNorm over rows of len(w)"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n) -> threads in use (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads in use"},
+    {"pool_spin_us", py_pool_spin_us, METH_VARARGS, "pool_spin_us([us]) -> how long a worker polls for the next job before sleeping"},
     {"pool_min_work", py_pool_min_work, METH_VARARGS, "pool_min_work([n]) -> multiply-adds below which a job runs on the caller"},
     {"hold_workers", py_hold_workers, METH_VARARGS, "hold_workers(on): tests; workers wait before joining a job while on"},
     {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},

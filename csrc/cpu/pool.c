@@ -17,11 +17,15 @@
 #endif
 
 #define MAX_THREADS 64
-/* A worker polls this long for the next job before sleeping: the gaps between kernel calls inside a
- * pass (Python, 10-40 us), not the waits for a read. A worker asleep when a job starts costs only its
- * help with that job, while a spinning one holds a core the caller's Python and the read threads
- * need (docs/performance.md, "The kernels' thread pool never waits for a sleeping worker"). */
-#define SPIN_NS 50000L
+/* A worker polls this long for the next job before sleeping. It was 50 us (the gaps between kernel
+ * calls inside a pass), because a spinning worker held a core that Python fetch threads needed. Since
+ * reads run on the extension's I/O threads (aio.c), which need the GIL and little CPU, a worker that
+ * stays awake through a whole pass pays: 5 ms with the threshold at 64K ran AR 1.17-1.50x faster
+ * than 50 us at 512K (embedded model at 25 % and full, widened model at 25 %; one process, taking
+ * turns: docs/performance/kernels.md, "Reads off the GIL"). A worker asleep when a job starts still
+ * costs only its help with that job (waking one takes ~300 us here). */
+#define SPIN_NS_DEFAULT 5000000L
+long pool_spin_ns = SPIN_NS_DEFAULT; /* settable: `_cpu.pool_spin_us` (benchmarks) */
 
 #define CHUNKS_PER_THREAD 4
 
@@ -80,7 +84,7 @@ static void *worker(void *arg) {
         int spins = 0;
         while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen && !atomic_load(&P.stop)) {
             CPU_RELAX();
-            if (++spins % 256 == 0 && now_ns() - t0 > SPIN_NS) {
+            if (++spins % 256 == 0 && now_ns() - t0 > pool_spin_ns) {
                 pthread_mutex_lock(&P.mu);
                 atomic_fetch_add(&P.sleepers, 1);
                 while (atomic_load(&P.gen) == seen && !atomic_load(&P.stop))

@@ -21,14 +21,15 @@ int pool_chunks(void);
 /* Run fn(ctx, i, n) once for every i in 0..n-1, on the caller and on any worker that joins;
  * returns when all are done and no worker touches ctx any more. */
 void pool_run(pool_fn fn, void *ctx, int n);
-/* Below this many multiply-adds a job runs on the calling thread: waking the pool costs more than
- * it saves (routers, the embedded model's decode experts, attention over a short cache). At 96K a
- * decode pass of the embedded model ran 1.10-1.16x slower on two threads than on one; at 512K the
- * two agree (docs/performance/kernels.md, "Reads off the GIL"). A tight loop of one call shows the
- * pool paying from ~128K, but inside a pass its worker is often asleep or spinning on a core the
- * caller's Python needs. Settable (`_cpu.pool_min_work`) for benchmarks and tests. */
-#define POOL_MIN_WORK_DEFAULT (512L * 1024L)
+/* Below this many multiply-adds a job runs on the calling thread: handing it over costs more than
+ * it saves (routers, a tiny test model's products). With workers that sleep 50 us after a job, a
+ * threshold of 512K (the embedded model's decode experts inline) was best; with workers awake through
+ * a pass (SPIN_NS_DEFAULT in pool.c) 64K is (docs/performance/kernels.md, "Reads off the GIL").
+ * Settable (`_cpu.pool_min_work`) for benchmarks and tests. */
+#define POOL_MIN_WORK_DEFAULT (64L * 1024L)
 extern long pool_min_work;
+/* How long a worker polls for the next job before sleeping, in ns (see pool.c). */
+extern long pool_spin_ns;
 #define POOL_MIN_WORK pool_min_work
 
 /* Chunk ith of nth of n items: [*a, *b). */
