@@ -1,10 +1,10 @@
 /* s2moe._cpu.Read: a file read on the extension's own I/O threads, which never take the GIL.
  *
- * Expert fetches used to run on Python threads. Each one takes the GIL twice (to start, and after
- * pread returns), and on this 2-vCPU VM every hand-over of the GIL between a fetch thread and the
- * thread computing costs 0.1-0.5 ms: a draft pass beside prefetches ran 1.5x slower than alone
- * (docs/performance/kernels.md, "Reads off the GIL"). Here a request is queued with its target
- * buffer; a pthread reads it; the caller polls `done()` or blocks in `wait()` with the GIL released.
+ * Expert fetches used to run on Python threads, whose Python around each pread holds the GIL: on
+ * this 2-vCPU VM a six-token draft beside prefetches on them took 1.42x its time without prefetch,
+ * against 1.13x with these threads (docs/performance/kernels.md, "Reads off the GIL"). Here a
+ * request is queued with its target buffer; a pthread reads it; the caller polls `done()` or
+ * blocks in `wait()` with the GIL released.
  *
  * Lifetime: a Read holds a view of its buffer until the read is over and collected (wait, or
  * dealloc, which first takes it off the queue or waits for it), so the buffer cannot be freed

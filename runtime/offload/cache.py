@@ -203,6 +203,8 @@ def _landed(item, done: list) -> float | None:
     (`NativeFetch.done_at`), else what its done-callback noted."""
     at = getattr(item, "done_at", None)
     return at if at is not None else (done[0] if done else None)
+
+
 DEFAULT_POLICY = "lfu"
 
 

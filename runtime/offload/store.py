@@ -107,16 +107,17 @@ class ExpertStore:
         self._plans: dict[tuple[int, int], tuple] = {}
         self._alloc: dict[tuple[int, int], int] = {}  # resident bytes per expert, as read here
         # O_DIRECT fetches on the extension's I/O threads, which never take the GIL: a Python fetch
-        # thread takes it twice per read, and each hand-over cost the compute beside it 0.1-0.5 ms
-        # on this VM (docs/performance/kernels.md, "Reads off the GIL"). Emulated links and buffered
-        # files keep the Python threads (their waits and page dropping are written there).
+        # thread runs each read's Python with the GIL held, and a draft beside prefetches on them
+        # ran 1.42x its time without prefetch, against 1.13x on these threads (docs/performance/
+        # kernels.md, "Reads off the GIL"). Emulated links and buffered files keep the Python
+        # threads (their waits and page dropping are written there).
         self.native = _NativeRead is not None and threads > 1 and not emulation.active
         if self.native:
             _io_threads(threads)
 
     def plan(self, layer: int, expert: int) -> tuple:
-        """(refs, spans to read, files they touch, aligned reads), worked out once per expert: a fetch then runs
-        little Python (a read used to spend ~35 us coalescing and sizing with the GIL held)."""
+        """(refs, spans to read, files they touch, aligned reads), worked out once per expert: a
+        fetch then runs little Python (a read used to spend ~35 us coalescing and sizing)."""
         key = (layer, expert)
         plan = self._plans.get(key)
         if plan is None:
