@@ -259,6 +259,24 @@ def test_a_job_gives_the_same_bits_pooled_or_on_the_caller(rng):
         assert np.array_equal(a, b)
 
 
+def test_the_workers_spin_follows_s2moe_spin_us(monkeypatch):
+    from s2moe import _cpu
+    from s2moe.runtime.errors import UsageError
+
+    before = _cpu.pool_spin_us()
+    try:
+        monkeypatch.setenv("S2MOE_SPIN_US", "120")
+        cpu.CpuOps(threads=2)
+        assert _cpu.pool_spin_us() == 120
+        for bad in ("-1", "fast", "1.5"):
+            monkeypatch.setenv("S2MOE_SPIN_US", bad)
+            with pytest.raises(UsageError, match="S2MOE_SPIN_US"):
+                cpu.CpuOps(threads=2)
+    finally:
+        _cpu.pool_spin_us(before)
+        _cpu.set_threads(cpu.default_threads())
+
+
 def test_select_ops_names_its_choice(monkeypatch):
     assert select_ops("numpy").name == "numpy"
     assert select_ops("cpu").name == "cpu"

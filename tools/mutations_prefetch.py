@@ -86,6 +86,8 @@ PREFETCH: list[Mutation] = [
     Mutation("available-masks-without-prefetches", "runtime/offload/cache.py",
              "            if L in row:\n                rows.append(row[L])", "            if False:\n                rows.append(row[L])",
              ["tests/test_draft_residency.py", "-k", "slots"], "AE's all-layer availability forgets experts a prefetch is reading"),
+    Mutation("spin-env-ignored", "runtime/kernels/cpu.py", "            _cpu.pool_spin_us(spin)", "            pass",
+             ["tests/test_kernels.py", "-k", "spin"], "S2MOE_SPIN_US read and checked, then not applied"),
     Mutation("restrict-fast-path-no-fallback", "runtime/model/routing.py",
              "        if fallback == \"best\" and all(e < 0 for e, _ in kept) and any(ok):",
              "        if False:", ["tests/test_draft_residency.py", "-k", "one_token"],

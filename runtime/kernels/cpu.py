@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from ..errors import UsageError
 from .reference import ReferenceOps
 from .stored import StoredMatrix, int8_activations
 
@@ -45,6 +46,23 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
         return max(1, os.cpu_count() or 1)
+
+
+def spin_from_env() -> int | None:
+    """S2MOE_SPIN_US: how long a kernel worker polls for the next job before it sleeps (µs; the
+    extension's default keeps it awake through a pass, 5000). A machine shared with other work
+    may want less; 0 sleeps at once. None when unset."""
+    env = os.environ.get("S2MOE_SPIN_US")
+    if env is None:
+        return None
+    try:
+        us = int(env)
+    except ValueError:
+        us = -1
+    if us < 0:
+        raise UsageError(f"S2MOE_SPIN_US={env!r}: microseconds a kernel worker waits for work before sleeping, "
+                         "an integer >= 0 (unset: 5000)")
+    return us
 
 
 def _f32(a: np.ndarray | None) -> np.ndarray | None:
@@ -77,6 +95,9 @@ class CpuOps(ReferenceOps):
         if _cpu is None:
             raise RuntimeError(f"the CPU kernels are not built ({IMPORT_ERROR})")
         self.threads = _cpu.set_threads(threads or default_threads())
+        spin = spin_from_env()
+        if spin is not None:
+            _cpu.pool_spin_us(spin)
         self.path = _cpu.path()
         self.int8_activations = _cpu.act_q8(1 if int8_activations() else 0)  # the reference's choice, read now
 
