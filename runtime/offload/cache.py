@@ -484,6 +484,7 @@ class ExpertCache:
                     self._refused.add(key)
                     self.prefetch_stats.refused_keys += 1
                 continue
+            issued_at = time.perf_counter()  # before the submit: a native read may land before it returns
             try:
                 future = submit(key[0], [key[1]])[0]
             except BaseException:
@@ -494,7 +495,7 @@ class ExpertCache:
             done: list = []
             if hasattr(future, "add_done_callback"):
                 future.add_done_callback(lambda _f, done=done: done.append(time.perf_counter()))
-            self._prefetched[key] = (future, time.perf_counter(), done)
+            self._prefetched[key] = (future, issued_at, done)
             if borrow:
                 self._borrowed.add(key)
             started += 1
