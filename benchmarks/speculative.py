@@ -93,16 +93,20 @@ def print_summary(records) -> None:
     for r in records:
         groups.setdefault((r.params["budget"], r.params["workload"], r.name), []).append(r)
     print("| budget | workload | method | tok/s | speedup vs AR (per repetition) | acceptance length | "
-          "reuse ratio | KiB fetched/token |")
-    print("|---|---|---|---|---|---|---|---|")
+          "tokens per verification | AR steps | reuse ratio | KiB fetched/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (budget, workload, name), rs in groups.items():
         x = [r.extra for r in rs]
         reuse = [e["reuse_ratio"] for e in x if e["reuse_ratio"] is not None]
         ups = [e["speedup_vs_ar"] for e in x if e["speedup_vs_ar"] is not None]  # none without an AR run
         speedup = f"**{med(ups):.2f}×** ({', '.join(f'{u:.2f}' for u in ups)})" if ups else "-"
+        # acceptance length counts AR steps (the rate guard's, back-off) as one token each
+        per_verify = [e["tokens_per_verification"] for e in x if e.get("tokens_per_verification") is not None]
+        ar_steps = [e["steps"]["ar_steps"] for e in x if "steps" in e]
         print(f"| {budget} | {workload} | {name} | {med(e['decode_tokens_per_s_aggregate'] for e in x):.1f} | "
               f"{speedup} | "
-              f"{med(e['acceptance_length'] for e in x):.2f} | {f'{med(reuse):.3f}' if reuse else '-'} | "
+              f"{med(e['acceptance_length'] for e in x):.2f} | {f'{med(per_verify):.2f}' if per_verify else '-'} | "
+              f"{f'{med(ar_steps):.0f}' if ar_steps else '-'} | {f'{med(reuse):.3f}' if reuse else '-'} | "
               f"{med(e['bytes_fetched_per_token'] for e in x) / 1024:.0f} |")
     parts = ("draft_compute", "verify_compute", "other_compute", "fetch_critical", "fetch_hidden", "total")
     print("\n| budget | workload | method | " + " | ".join(parts) + " |")

@@ -111,6 +111,10 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         spent = {"draft": 0.0, "verify": 0.0}
         ae = [0, 0.0, 0]  # AE's verified draft tokens: count, predicted acceptance summed, kept
         vocab = [0, 0]  # emitted tokens inside the draft head, all emitted tokens
+        # acceptance length counts an AR step (the rate guard's, a back-off's) as one token: these
+        # counts tell the draft's own acceptance apart from how often AE chose not to draft
+        steps = dict.fromkeys(("verifications", "ar_steps", "guard_steps", "backoff_steps", "draft_passes",
+                               "drafted", "accepted"), 0)
         if trace is not None:
             trace.start(engine.cache)
         for p in ids:
@@ -119,6 +123,8 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
             spent["verify"] += result.metrics.verify_seconds
             ae = [ae[0] + result.metrics.ae_tokens, ae[1] + result.metrics.ae_predicted, ae[2] + result.metrics.ae_kept]
             vocab = [vocab[0] + result.metrics.vocab_covered, vocab[1] + result.metrics.vocab_tokens]
+            for k in steps:
+                steps[k] += getattr(result.metrics, k)
             st = result.stats()
             samples.append(result.decode_tokens_per_s)
             acc.append(st["acceptance_length"])
@@ -156,6 +162,9 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                    "cost_constants": costs.to_dict() if costs else None,
                    "live_costs": live_now,
                    "rate_guard": guard,
+                   "steps": steps,
+                   "tokens_per_verification": ((steps["accepted"] + steps["verifications"]) / steps["verifications"]
+                                               if steps["verifications"] else None),
                    # how well AE's acceptance probabilities matched what verification kept
                    "ae_acceptance": acceptance_summary(*ae),
                    # FR-Spec: the share of emitted tokens the draft head could have proposed

@@ -188,6 +188,13 @@ def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
         assert pf["used"] + split == pf["verify_misses"] and min(pf.values()) >= 0
     assert records[0]["prefetch"]["issued"] == records[0]["prefetch"]["verify_misses"] == 0  # AR
     assert records[1]["prefetch"]["verify_misses"] > 0 and records[1]["prefetch"]["used"] > 0  # s2moe read ahead
+    ar_steps = records[0]["steps"]  # 5 tokens a prompt after prefill's: AR makes each in a step of its own
+    assert (ar_steps["ar_steps"], ar_steps["verifications"], records[0]["tokens_per_verification"]) == (15, 0, None)
+    for rec in records[1:]:  # what acceptance length mixes: verifications' tokens and AR steps'
+        st = rec["steps"]
+        assert st["verifications"] > 0 and st["draft_passes"] > 0 and 0 <= st["accepted"] <= st["drafted"]
+        assert st["accepted"] + st["verifications"] + st["ar_steps"] >= 15  # (a last draft may run past the end)
+        assert rec["tokens_per_verification"] == pytest.approx((st["accepted"] + st["verifications"]) / st["verifications"])
     assert (tmp_path / "b.csv").read_text().count("\n") == 4
 
 

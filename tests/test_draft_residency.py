@@ -181,6 +181,8 @@ def test_a_prefetch_into_the_cache_evicts_colder_experts_never_predicted_or_pinn
     evicted = full - set(cache.held)
     assert len(evicted) == 2 and (0, 0) not in evicted and predicted[0] not in evicted
     assert all(cache.in_flight(k) for k in new)
+    for key in new:  # the pass they were for runs while they are read: they land before it settles
+        cache._prefetched[key][0].result()  # (a read still queued at settling is cancelled, not kept)
     cache.settle_prefetches()
     assert set(new) <= set(cache.held) and not cache._reserved and cache.resident_bytes <= cache.capacity
     colder = [(L, e) for L, e in fill if (L, e) not in cache.held][-5:]  # never used: every resident ranks above them
@@ -192,3 +194,75 @@ def test_a_prefetch_into_the_cache_evicts_colder_experts_never_predicted_or_pinn
     cache.settle_prefetches()  # the guesses nothing used: dropped, or kept where free room holds them
     assert set(cache.held) >= held and cache.resident_bytes <= cache.capacity and not cache._borrowed
     engine.close()
+
+
+def test_a_decode_tokens_experts_take_the_one_token_path_and_match_the_batch_path_bit_for_bit(monkeypatch):
+    """At one token `_experts` builds its rows without NumPy per choice, and a layer whose
+    experts are all resident is one group without the stream generator. Both must give the
+    batch path's bits: the output of a decode step may not depend on which path ran it."""
+    import s2moe.runtime.model.forward as fwd
+
+    engine = build_engine(str(DEFAULT_MODEL), budget="0.25")
+    model, cache = engine.model, engine.model.experts
+    c, rng = model.config, np.random.default_rng(3)
+    model.forward(list(range(100, 160)), model.new_cache(64))  # experts resident in the late layers
+    layers = [L for L in range(c.num_layers) if len(cache._by_layer[L]) >= c.top_k]
+    assert layers
+    for trial in range(30):
+        L = layers[trial % len(layers)]
+        held = sorted(cache._by_layer[L])
+        x = rng.standard_normal((1, c.hidden_size)).astype(np.float32)
+        picks = rng.permutation(held)[:c.top_k] if trial % 3 else rng.permutation(c.num_experts)[:c.top_k]
+        experts = np.array([picks], np.int64)
+        if trial % 4 == 0:
+            experts[0, -1] = -1  # a choice the draft dropped
+        weights = rng.random((1, c.top_k)).astype(np.float32)
+        fast = model._experts(L, x, experts, weights)
+        monkeypatch.setattr(fwd, "_SLOTS", ())  # the batch path's rows
+        monkeypatch.setattr(cache, "resident_group", None, raising=False)  # and the stream
+        slow = model._experts(L, x, experts, weights)
+        monkeypatch.undo()
+        assert fast.dtype == slow.dtype == np.float32
+        assert np.array_equal(fast, slow), trial
+
+
+def test_a_resident_group_notes_what_stream_notes_and_nothing_when_one_is_missing():
+    engine = build_engine(str(DEFAULT_MODEL), budget="0.25")
+    cache = engine.model.experts
+    engine.model.forward(list(range(100, 160)), engine.model.new_cache(64))
+    L = max(cache._by_layer, key=lambda L: len(cache._by_layer[L]))
+    held = sorted(cache._by_layer[L])[:3]
+    assert len(held) == 3
+    absent = next(e for e in range(engine.model.config.num_experts) if e not in cache._by_layer[L])
+    with cache.in_phase("check"):
+        st = cache.stats["check"]
+        before = (st.hits, st.misses, cache.policy.clock)
+        assert cache.resident_group(L, [*held, absent]) is None
+        assert (st.hits, st.misses, cache.policy.clock) == before  # nothing noted
+        cache.begin_pass(1)
+        group = cache.resident_group(L, held)
+        cache.end_pass()
+        assert [e for e, _ in group] == held and all(w is cache.held[(L, e)] for e, w in group)
+        after_fast = (st.hits, cache.policy.clock, dict(cache.policy.last))
+        cache.begin_pass(1)
+        streamed = [item for g in cache.stream(L, held) for item in g]
+        cache.end_pass()
+    assert streamed == group
+    last = cache.policy.last
+    assert st.hits - after_fast[0] == after_fast[0] - before[0] == len(held)  # counted alike
+    assert cache.policy.clock - after_fast[1] == after_fast[1] - before[2] == len(held)  # each touched once
+    assert [last[(L, e)] for e in held] == [after_fast[2][(L, e)] + len(held) for e in held]
+    assert st.passes == 2 and st.unique_experts == 2 * len(held) and st.misses == 0
+
+
+def test_the_resident_mask_follows_every_eviction_and_read():
+    engine = build_engine(str(DEFAULT_MODEL), budget="0.25")
+    cache, E = engine.model.experts, engine.model.config.num_experts
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        L = int(rng.integers(engine.model.config.num_layers))
+        mask = cache.resident_mask(L, E)
+        assert mask.tolist() == [(L, e) in cache.held for e in range(E)]
+        mask[:] = ~mask  # a copy: the caller may write it
+        assert cache.resident_mask(L, E).tolist() == [(L, e) in cache.held for e in range(E)]
+        cache.get(L, rng.permutation(E)[:4].tolist())  # misses read, colder experts evicted

@@ -1,11 +1,12 @@
 """Mutations of draft-guided prefetch into the expert cache and the streaming workspace (session
-2026-12-02: prefetch slots of their own cost the cache more than they hid). `mutations.py` joins them
+2026-12-02: prefetch slots of their own cost the cache more than they hid), and of the decode
+step's paths and records that came after it. `mutations.py` joins them
 to the others; what a mutation is: `mutation_kit.py`.
 """
 
 from __future__ import annotations
 
-from mutation_kit import Mutation
+from mutation_kit import CACHE, Mutation
 
 PREFETCH: list[Mutation] = [
     Mutation("prefetch-reserves-no-room", "runtime/offload/cache.py",
@@ -97,4 +98,21 @@ PREFETCH: list[Mutation] = [
              "        if fallback == \"best\" and all(e < 0 for e, _ in kept) and any(ok):",
              "        if False:", ["tests/test_draft_residency.py", "-k", "one_token"],
              "a decode token left with no resident expert gets none, though the fallback is best"),
+    Mutation("decode-rows-first-weight", "runtime/model/forward.py", "mix[j:j + 1])", "mix[0:1])",
+             ["tests/test_draft_residency.py", "-k", "one_token_path"],
+             "a decode token's experts all mixed with its first choice's weight"),
+    Mutation("decode-rows-one-slot", "runtime/model/forward.py", "(_SLOTS[j], mix", "(_SLOTS[0], mix",
+             ["tests/test_draft_residency.py", "-k", "one_token_path"],
+             "a decode token's choices summed into one row: the order of the sum changes with the path"),
+    Mutation("resident-mask-kept-after-eviction", CACHE,
+             "        self._by_layer[key[0]].discard(key[1])\n        self._masks.pop(key[0], None)",
+             "        self._by_layer[key[0]].discard(key[1])", ["tests/test_draft_residency.py", "-k", "resident_mask"],
+             "the kept resident mask still shows an evicted expert: a draft would wait on the slow tier"),
+    Mutation("resident-group-with-a-miss", CACHE,
+             "        if not all((layer, e) in held for e in experts):\n            return None", "        pass",
+             ["tests/test_draft_residency.py", "-k", "resident_group"],
+             "the one-group path taken with an expert missing: the miss is never read"),
+    Mutation("bench-steps-last-prompt", "runtime/bench.py", "                steps[k] += getattr(result.metrics, k)",
+             "                steps[k] = getattr(result.metrics, k)", ["tests/test_cli.py", "-k", "schema"],
+             "a bench record's step counts are the last prompt's, not the run's"),
 ]

@@ -33,6 +33,9 @@ from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, restric
 
 
 PREFILL_CHUNK = 64  # tokens per pass of a long prompt: bounds attention scores and expert scratch
+_SLOTS = tuple(np.array([j], np.int32) for j in range(16))  # a decode token's j-th choice: row j (read-only)
+for _a in _SLOTS:
+    _a.flags.writeable = False
 
 
 def _biased(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -160,7 +163,12 @@ class MoEModel:
         must route exactly as the original did)."""
         xp, dev = xp_of(x), self.backend.to_device
         T, k = experts.shape
-        if experts.size <= 64:  # decode and verification: plain Python beats NumPy's per-call cost
+        ids = experts[0].tolist() if T == 1 else None
+        if ids is not None and not self.backend.on_device and k <= len(_SLOTS) and \
+                len(set(ids)) == len(ids):  # a decode token (each distinct): slot j is its j-th choice
+            mix = weights[0].astype(np.float32, copy=False)
+            rows = {e: (_SLOTS[j], mix[j:j + 1]) for e, j in sorted((e, j) for j, e in enumerate(ids) if e >= 0)}
+        elif experts.size <= 64:  # decode and verification: plain Python beats NumPy's per-call cost
             rows = {e: (dev(np.array(ts, np.int32)), dev(np.array(ws, np.float32)))
                     for e, (ts, ws) in sorted(_tokens_by_expert(experts, weights, flat=True).items())}
         else:
@@ -183,6 +191,10 @@ class MoEModel:
 
     def _fetch_groups(self, L: int, ids: list[int]):
         """The layer's experts as groups of (id, weights): resident first, then as reads land."""
+        resident = getattr(self.experts, "resident_group", None)
+        group = resident(L, ids) if resident else None
+        if group is not None:  # all resident (a draft's every pass): one group, no generator
+            return [group] if group else []
         stream = getattr(self.experts, "stream", None)
         return stream(L, ids) if stream else [list(zip(ids, self.experts.get(L, ids)))]
 

@@ -246,6 +246,7 @@ class ExpertCache:
         self.prefetch_stats = PrefetchStats()
         self.held: dict[Key, ExpertWeights] = {}
         self._by_layer: dict[int, set[int]] = defaultdict(set)  # resident experts per layer
+        self._masks: dict[int, np.ndarray] = {}  # resident_mask's, kept until the layer's residency changes
         self.pinned: set[Key] = set()
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
@@ -285,9 +286,12 @@ class ExpertCache:
         budget): then nothing needs restricting."""
         if self.capacity is None:
             return None
-        mask = np.zeros(num_experts, dtype=bool)
-        mask[list(self._by_layer.get(layer, ()))] = True
-        return mask
+        mask = self._masks.get(layer)
+        if mask is None or mask.size != num_experts:  # rebuilt after the layer's residency changed
+            mask = np.zeros(num_experts, dtype=bool)
+            mask[list(self._by_layer.get(layer, ()))] = True
+            self._masks[layer] = mask
+        return mask.copy()
 
     def pin(self, keys: Sequence[Key], resident_size=None) -> None:
         if not keys:
@@ -337,12 +341,14 @@ class ExpertCache:
     def _keep(self, key: Key, weights: ExpertWeights) -> None:
         self.held[key] = weights
         self._by_layer[key[0]].add(key[1])
+        self._masks.pop(key[0], None)
         self.resident_bytes += weights.nbytes
         self.policy.insert(key)
 
     def _drop(self, key: Key) -> None:
         self.resident_bytes -= self.held.pop(key).nbytes
         self._by_layer[key[0]].discard(key[1])
+        self._masks.pop(key[0], None)
 
     def _make_room(self, key: Key, size: int, protected: set[Key], coming: bool = False) -> bool:
         """Evict until ``key`` fits, if the policy admits it over each victim; False at the first
@@ -363,11 +369,18 @@ class ExpertCache:
         got = dict(item for group in self.stream(layer, experts, window=len(experts) or 1) for item in group)
         return [got[int(e)] for e in experts]
 
-    def stream(self, layer: int, experts: Sequence[int], window: int | None = None
-               ) -> Iterator[list[tuple[int, ExpertWeights]]]:
-        """Groups of (expert, weights): the resident ones first (the first reads already queued),
-        then the missing ones in the order their reads complete, at most ``window`` (default: the
-        cache's) in flight."""
+    def resident_group(self, layer: int, experts: Sequence[int]) -> list[tuple[int, ExpertWeights]] | None:
+        """`stream` when every one of ``experts`` is resident: the same bookkeeping, the one group
+        returned without a generator (a decode step asks once per layer). None, with nothing
+        noted, when one is missing: the caller then streams."""
+        held = self.held
+        if not all((layer, e) in held for e in experts):
+            return None
+        return self._look_up(layer, experts)[2]
+
+    def _look_up(self, layer: int, experts: Sequence[int]):
+        """A pass asks for ``experts``: note them (the pass's keys, the draft's predictions, the
+        trace), touch the resident ones and count hits and misses. (stats, keys, hits, missing)."""
         stats = self.stats[self.phase]
         keys = [(layer, int(e)) for e in experts]
         if self.phase == "draft" and self.prefetch_slots:  # the draft's next tokens route among these
@@ -389,6 +402,14 @@ class ExpertCache:
         stats.misses += len(missing)
         for key in missing:
             self.policy.access(key)
+        return stats, keys, hits, missing
+
+    def stream(self, layer: int, experts: Sequence[int], window: int | None = None
+               ) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Groups of (expert, weights): the resident ones first (the first reads already queued),
+        then the missing ones in the order their reads complete, at most ``window`` (default: the
+        cache's) in flight."""
+        stats, keys, hits, missing = self._look_up(layer, experts)
         if not missing:
             if hits:
                 yield hits
