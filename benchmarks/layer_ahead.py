@@ -11,6 +11,12 @@ of layer L+d's chosen experts that this guess names, for d = 1 and 2. For compar
 the previous token's choice at the same layer names (what a cache of recent experts already
 holds). Softmax routers (top-k of the logits). One sample per prompt. Writes
 docs/results/layer-ahead.json/.csv.
+
+With ``--prefetch BUDGET`` it instead times AR under that budget with the guess acted on: before
+each layer's experts, the next layer's guessed experts that are absent start reading as prefetches
+(into the cache, as a draft's do; settled after each pass), the top 1, 2 or 4 guesses against none,
+taking turns (`--reps`), 64 tokens per prompt. The tokens must equal plain AR's (checked). Writes
+``--out``-prefetch.json/.csv.
 """
 
 from __future__ import annotations
@@ -71,12 +77,79 @@ def shares(model, ids: list[int], tokens: int) -> dict[str, float]:
     return {k: h[0] / h[1] for k, h in hits.items() if h[1]}
 
 
+def guessing(engine, guesses: int) -> None:
+    """Make ``engine``'s AR passes prefetch the next layer's ``guesses`` top guessed experts."""
+    model, cache, c = engine.model, engine.model.experts, engine.model.config
+    norms = [np.asarray(model.W[f"layers.{L}.ffn_norm"], np.float32) for L in range(c.num_layers)]
+    routers = [np.asarray(model.W[f"layers.{L}.router"], np.float32) for L in range(c.num_layers)]
+    real_moe, real_forward = model._moe, model.forward
+
+    def moe(L, x, policy, rec, norm=None):
+        if x.shape[0] == 1 and cache.phase == "ar" and L + 1 < c.num_layers:
+            scale = np.divide(norms[L + 1], norms[L], out=np.zeros_like(norms[L]), where=norms[L] != 0)
+            top = np.argsort(-(x[0] * scale @ routers[L + 1].T), kind="stable")[:guesses]
+            cache.prefetch([(L + 1, int(e)) for e in top if (L + 1, int(e)) not in cache.held])
+        return real_moe(L, x, policy, rec, norm)
+
+    def forward(*a, **k):
+        try:
+            return real_forward(*a, **k)
+        finally:
+            if cache.phase == "ar":
+                cache.settle_prefetches()  # what the pass did not use: kept in its room, or dropped
+
+    model._moe, model.forward = moe, forward
+
+
+def time_prefetch(loaded, tok, budget: str, n_prompts: int, reps: int) -> list:
+    from s2moe.runtime.decoding.cost_model import CostConstants
+    from s2moe.runtime.decoding.methods import SpecSettings, get_method
+    from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+    from s2moe.runtime.engine import build_engine
+
+    c = loaded.config
+    prompts = prompts_of(tok, ["humaneval"], n_prompts, tail=512)
+    sides = {}
+    for guesses in (0, 1, 2, c.top_k):
+        engine = build_engine(loaded.path, budget, 700, loaded=loaded, prefetch_slots=2 * c.top_k if guesses else None)
+        if guesses:
+            guessing(engine, guesses)
+        decoder = SpeculativeDecoder(engine.model, get_method("ar"), SpecSettings(),
+                                     CostConstants(t_ar=0.01, c_draft=0.001, t_exp_miss=1e-3, t_exp_hit=1e-4))
+        decoder.generate(prompts[0][:16], 4)  # warm-up, untimed
+        sides[guesses] = (engine, decoder, [])
+    texts: dict = {}
+    for rep in range(reps):
+        for guesses in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
+            engine, decoder, samples = sides[guesses]
+            tokens, seconds = 0, 0.0
+            for i, ids in enumerate(prompts):
+                result = decoder.generate(ids, 64)
+                tokens, seconds = tokens + len(result.tokens) - 1, seconds + result.decode_seconds
+                texts.setdefault(guesses, {})[i] = result.tokens
+            samples.append(tokens / seconds)
+    records = []
+    for guesses, (engine, _, samples) in sides.items():
+        if texts[guesses] != texts[0]:
+            raise SystemExit(f"error: AR with {guesses} guesses a layer ahead changed the tokens")
+        report = engine.cache.report()["prefetch"]
+        records.append(Record("layer-ahead-prefetch", f"{guesses} guesses a layer ahead" if guesses else "plain AR",
+                              "tok/s", samples,
+                              params={"budget": budget, "n_prompts": len(prompts), "max_tokens": 64, "guesses": guesses},
+                              extra={"ratio_to_plain": [s / p for s, p in zip(samples, sides[0][2])],
+                                     "prefetch": {k: report[k] for k in ("issued", "used", "wasted", "kept")}}))
+        engine.close()
+    return records
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model folder (default: the embedded model)")
     ap.add_argument("--n-prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--out", default="docs/results/layer-ahead")
+    ap.add_argument("--prefetch", metavar="BUDGET", help="time AR under this budget with the guess acted on")
+    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
 
     from s2moe.runtime.cli.common import DEFAULT_MODEL
@@ -85,9 +158,15 @@ def main() -> None:
     from s2moe.runtime.model.tokenizer import load_tokenizer
 
     loaded = load_model(args.model or str(DEFAULT_MODEL))
-    model = build_engine(loaded.path, None, 1024, loaded=loaded).model
     tok = load_tokenizer(loaded)
+    if args.prefetch:
+        records = time_prefetch(loaded, tok, args.prefetch, args.n_prompts, args.reps)
+        write_outputs(records, machine_info(), args.out + "-prefetch", "AR prefetching its guesses a layer ahead")
+        for r in records:
+            print(r.name, f"{r.median:.1f} tok/s", "ratio", [f"{x:.2f}" for x in r.extra["ratio_to_plain"]], r.extra["prefetch"])
+        return
     records = []
+    model = build_engine(loaded.path, None, 1024, loaded=loaded).model
     for workload in WORKLOADS:
         per: dict[str, list[float]] = {}
         for ids in prompts_of(tok, [workload], args.n_prompts, tail=200):
