@@ -92,6 +92,7 @@ class MoEModel:
         self.experts = experts
         self._inv_freq, self._rope_factor = rope.inv_freq_and_factor(self.config)
         self._attention_kind = ATTENTION[self.config.attention]
+        self._rope_one: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> its cos, sin
         self.split: TimeSplit | _NoSplit = _NoSplit()
         self._draft_heads: dict[tuple[int, str], DraftHead] = {}
 
@@ -112,7 +113,19 @@ class MoEModel:
 
     # -- pieces -------------------------------------------------------------------------------
     def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return rope.tables(self._inv_freq, self._rope_factor, positions)
+        if positions.size != 1:
+            return rope.tables(self._inv_freq, self._rope_factor, positions)
+        # a decode token: drafts, their rollbacks and verification revisit the same positions
+        at = int(positions[0])
+        kept = self._rope_one.get(at)
+        if kept is None:
+            if len(self._rope_one) >= 4096:
+                self._rope_one.clear()
+            kept = rope.tables(self._inv_freq, self._rope_factor, positions)
+            for a in kept:
+                a.flags.writeable = False  # shared by every pass at this position
+            self._rope_one[at] = kept
+        return kept
 
     def _attention(self, L: int, x: np.ndarray, start: int, kv: KVCache, cos, sin, allowed) -> np.ndarray:
         return self._attention_kind(self.config, self.W, self.ops, L, x, start, kv, (cos, sin), allowed)
@@ -187,6 +200,11 @@ class MoEModel:
             for _, w in group:
                 self.backend.wait(w)  # its copy (device backends) may still be in flight
             self.ops.experts(xk, [(w, *rows[e]) for e, w in group], self.act, out)
+        if T == 1 and not self.backend.on_device:  # the sum below, row by row in routing order: the same bits
+            total = out[0:1]
+            for j in range(1, k):
+                total = total + out[j:j + 1]
+            return total
         return out.reshape(T, k, -1).sum(axis=1)
 
     def _fetch_groups(self, L: int, ids: list[int]):
@@ -221,6 +239,8 @@ class MoEModel:
                     window: int | None) -> np.ndarray:
         """[T, start + T] bool: which cache slots each new token attends to."""
         S = start + T
+        if T == 1 and tree_mask is None and not window:  # a decode token sees every slot
+            return np.ones((1, S), dtype=bool)
         allowed = np.ones((T, S), dtype=bool)
         if tree_mask is None:
             allowed[:, start:] = np.tril(np.ones((T, T), dtype=bool))
@@ -275,7 +295,8 @@ class MoEModel:
         c, W, ops = self.config, self.W, self.ops
         T = tokens.size
         kv.begin_write(start, T)
-        if tokens.min(initial=0) < 0 or tokens.max(initial=0) >= c.vocab_size:
+        if (not 0 <= int(tokens[0]) < c.vocab_size) if T == 1 else \
+                (tokens.min(initial=0) < 0 or tokens.max(initial=0) >= c.vocab_size):
             raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
         pos = np.arange(start, start + T) if positions is None else np.asarray(positions, dtype=np.int64)
         windows = {c.window_of(L) for L in range(c.num_layers)}  # GPT-OSS: sliding and full layers
