@@ -172,8 +172,8 @@ def test_a_prefetch_into_the_cache_evicts_colder_experts_never_predicted_or_pinn
         cache.get(L, [e])
         cache.get(L, [e])
     new = [(L, e) for L, e in fill if (L, e) not in full][:2]
-    for key in new:  # used as often: with the use they are read for, the policy admits them over a victim
-        for _ in range(3):
+    for key in new:  # used once less than the residents: only the use they are read for ranks them above a victim
+        for _ in range(2):
             cache.policy.access(key)
     predicted = sorted(full - {(0, 0)})[:1] + new
     assert cache.prefetch(predicted) == 2

@@ -9,7 +9,8 @@ What a mutation is: `mutation_kit.py`.
 from __future__ import annotations
 
 from mutation_kit import (Mutation, T_SAMPLED, T_LAW, T_GREEDY, T_KV, T_RG, T_SAMPLING, T_POLICY, T_ST,
-                          T_GGUF, T_PROFILE, T_EXPORT, T_ADMIT, T_INDEX, SPEC, ST, GGUF, CACHE, SPEC_OPTIONS)
+                          T_GGUF, T_PROFILE, T_EXPORT, T_ADMIT, T_INDEX, SPEC, ST, GGUF, CACHE, POLICY,
+                          SPEC_OPTIONS)
 from mutations_found import FOUND
 from mutations_prefetch import PREFETCH
 
@@ -23,7 +24,7 @@ CORE: list[Mutation] = [
              "accept with q/p"),
     Mutation("seed-ignored", SPEC, "draws = draws_for(self.params)", "draws = type(draws_for(self.params))(None)",
              T_SAMPLED + ["-k", "seed"], "the sampling seed ignored (speculative decoding)"),
-    Mutation("lfu-decay-removed", CACHE,
+    Mutation("lfu-decay-removed", POLICY,
              "return self.count[key] * 0.5 ** ((self.clock - self.last.get(key, self.clock)) / self.half_life)",
              "return self.count[key]", T_POLICY, "LFU counts never decay"),
     Mutation("fingerprint-check-disabled", SPEC_OPTIONS,
@@ -128,16 +129,16 @@ CORE: list[Mutation] = [
              'if m.admit == "confidence" and prefix * prob < s.confidence_threshold:', T_ADMIT,
              "the confidence rule thresholds the prefix probability"),
     # -- cache policy -------------------------------------------------------------------------------
-    Mutation("lfu-heap-without-decay", CACHE,
+    Mutation("lfu-heap-without-decay", POLICY,
              "entry = (math.log2(count) + last / self.half_life if count > 0 else -math.inf, last, key)",
              "entry = (math.log2(count) if count > 0 else -math.inf, last, key)", T_POLICY,
              "the LFU heap orders by undecayed counts"),
-    Mutation("lfu-admits-everything", CACHE, "return self._score(key) + coming > self._score(victim)", "return True",
+    Mutation("lfu-admits-everything", POLICY, "return self._score(key) + coming > self._score(victim)", "return True",
              T_POLICY, "LFU admission always evicts"),
-    Mutation("lru-evicts-most-recent", CACHE, "return next((k for k in self.order if k not in protected), None)",
+    Mutation("lru-evicts-most-recent", POLICY, "return next((k for k in self.order if k not in protected), None)",
              "return next((k for k in reversed(self.order) if k not in protected), None)", T_POLICY,
              "LRU evicts the most recently used"),
-    Mutation("lru-hit-not-recorded", CACHE, "touch = insert  # a hit", "touch = access  # a hit", T_POLICY,
+    Mutation("lru-hit-not-recorded", POLICY, "touch = insert  # a hit", "touch = access  # a hit", T_POLICY,
              "an LRU hit does not refresh recency"),
     Mutation("cache-evicts-protected", CACHE, "victim = self.policy.victim(protected | self.pinned)",
              "victim = self.policy.victim(self.pinned)", T_POLICY,

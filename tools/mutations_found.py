@@ -7,7 +7,7 @@ what a mutation is: `mutation_kit.py`.
 from __future__ import annotations
 
 from mutation_kit import (Mutation, T_SAMPLED, T_SAMPLING, T_GGUF, T_ADMIT, T_RESIDENT, T_LIVE, T_COST,
-                          T_FALLBACK, T_LAW, T_KV, T_POLICY, T_ST, T_EXPORT, SPEC, CACHE, ST, GGUF)
+                          T_FALLBACK, T_LAW, T_KV, T_POLICY, T_ST, T_EXPORT, SPEC, CACHE, POLICY, ST, GGUF)
 
 FOUND: list[Mutation] = [
     # -- a second set, found by a read-only review (session 2026-12-01): each had survived the suite --
@@ -39,7 +39,7 @@ FOUND: list[Mutation] = [
              'req.seed if req.seed is not None and req.seed >= 0 else None',
              'None',
              ['tests/test_serve.py', '-k', 'seed'], "the server drops a request's seed"),
-    Mutation('lfu-admit-on-stale-counts', 'runtime/offload/cache.py',
+    Mutation('lfu-admit-on-stale-counts', POLICY,
              'return self._score(key) + coming > self._score(victim)',
              'return self.count[key] + coming > self.count[victim]',
              ['tests/test_cache_policy.py'], 'LFU admission on stored, not decayed-to-now, counts'),
@@ -140,7 +140,7 @@ FOUND: list[Mutation] = [
              'min_p=min_p, seed=seed, sampler=sampler)',
              'min_p=min_p, sampler=sampler)',
              ['tests/test_cli.py', '-k', 'sampled_bench'], 's2moe bench --seed ignored'),
-    Mutation("lfu-half-life-64", "runtime/offload/cache.py", "def __init__(self, half_life: float = 512.0):",
+    Mutation("lfu-half-life-64", POLICY, "def __init__(self, half_life: float = 512.0):",
              "def __init__(self, half_life: float = 64.0):", ["tests/test_cache_policy.py"],
              "the LFU cache's default half-life 64 accesses, not 512"),
     Mutation("estimate-miss-per-batch", "runtime/decoding/estimate.py",
@@ -160,7 +160,7 @@ FOUND: list[Mutation] = [
              '                done = emit([sample(logits[-1], self.params, draws, len(out))])',
              '                done = emit([sample(logits[-1], self.params, type(draws)(None), len(out))])',
              ['tests/test_sampled_speculation.py', '-k', 'generate_ar_draws'], "the decoder's plain AR steps draw from an unseeded generator"),
-    Mutation('lfu-heap-entry-at-insert-time', 'runtime/offload/cache.py',
+    Mutation('lfu-heap-entry-at-insert-time', POLICY,
              'count, last = self.count[key], self.last.get(key, 0)',
              'count, last = self.count[key], self.clock',
              ['tests/test_cache_policy.py'], 'LFU dates a kept expert by its insertion, not its last use'),
@@ -429,17 +429,17 @@ FOUND += [
              "return self.rollback(self.filled - n)", "return self.rollback(self.length - n)",
              ["tests/test_kv_cache.py"], "trim(n) counts back from the committed length, not the valid end"),
     # LFU decay
-    Mutation("lfu-access-count-undecayed", CACHE,
+    Mutation("lfu-access-count-undecayed", POLICY,
              "self.count[key] = self._score(key) + 1.0", "self.count[key] = self.count[key] + 1.0", T_POLICY,
              "a use adds 1 to the stored count without decaying it first: old uses never fade between uses"),
-    Mutation("lfu-clock-after-decay", CACHE,
+    Mutation("lfu-clock-after-decay", POLICY,
              "        self.clock += 1\n        self.count[key] = self._score(key) + 1.0\n",
              "        self.count[key] = self._score(key) + 1.0\n        self.clock += 1\n", T_POLICY,
              "decay applied before the clock ticks: each use loses one access of decay"),
-    Mutation("lfu-heap-rebuilt-unheapified", CACHE,
+    Mutation("lfu-heap-rebuilt-unheapified", POLICY,
              "            heapq.heapify(self._heap)\n", "            pass\n", T_POLICY,
              "the compacted LFU heap is not re-heapified: victims in insertion order after a compaction"),
-    Mutation("lfu-skipped-protected-dropped", CACHE,
+    Mutation("lfu-skipped-protected-dropped", POLICY,
              "        for entry in skipped:\n            heapq.heappush(self._heap, entry)\n",
              "        pass\n", T_POLICY,
              "protected experts skipped by victim() lose their heap entry: never victims until used again"),

@@ -6,7 +6,7 @@ to the others; what a mutation is: `mutation_kit.py`.
 
 from __future__ import annotations
 
-from mutation_kit import CACHE, Mutation
+from mutation_kit import CACHE, POLICY, Mutation
 
 PREFETCH: list[Mutation] = [
     Mutation("prefetch-reserves-no-room", "runtime/offload/cache.py",
@@ -16,7 +16,7 @@ PREFETCH: list[Mutation] = [
     Mutation("prefetch-evicts-predicted", "runtime/offload/cache.py",
              "            borrow = not self._reserve(key, self._predicted)", "            borrow = not self._reserve(key, set())",
              ["tests/test_draft_residency.py", "-k", "into_the_cache"], "a prefetch evicts an expert the same iteration predicted"),
-    Mutation("prefetch-ranked-without-its-use", "runtime/offload/cache.py",
+    Mutation("prefetch-ranked-without-its-use", POLICY,
              "        return self._score(key) + coming > self._score(victim)", "        return self._score(key) > self._score(victim)",
              ["tests/test_draft_residency.py", "-k", "into_the_cache"], "a prediction ranks below the miss verification would admit"),
     Mutation("ar-reads-ahead", "runtime/decoding/methods.py",

@@ -1,10 +1,10 @@
 """The fast tier: resident experts (stored encoding) within a byte budget.
 
 Hot experts (from a profile or a published-format hot list) are pinned; the rest of the space is
-managed by a replacement policy (`lru`, or `lfu`: frequency with exponential decay). The experts a
-request asks for are protected while it is served, so nothing the current pass needs is evicted;
-when pinned and protected experts leave no room, a fetched expert streams through (used once, not
-kept) and the resident bytes never exceed the budget.
+managed by a replacement policy (`offload/policies.py`: `lru`, or `lfu`, frequency with exponential
+decay). The experts a request asks for are protected while it is served, so nothing the current
+pass needs is evicted; when pinned and protected experts leave no room, a fetched expert streams
+through (used once, not kept) and the resident bytes never exceed the budget.
 
 `stream` hands a layer's experts to the forward pass as they become available: the resident ones
 at once, then the missing ones as their reads complete, with at most ``window`` reads in flight.
@@ -17,10 +17,8 @@ seconds, achieved bandwidth, unique experts per pass; plus peak resident bytes.
 
 from __future__ import annotations
 
-import heapq
-import math
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -29,6 +27,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .experts import ExpertWeights
+from .policies import LRU, POLICIES, DecayedLFU  # noqa: F401 (LRU, DecayedLFU: imported from here too)
 
 Key = tuple[int, int]
 
@@ -85,113 +84,6 @@ class PrefetchStats:
                 "missed_unpredicted": self.missed_unpredicted,
                 "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
                 "waited_seconds": round(self.waited_seconds, 6)}
-
-
-class LRU:
-    """Evicts the least recently used expert; admits every fetched expert."""
-
-    name = "lru"
-
-    def __init__(self):
-        self.order: OrderedDict[Key, None] = OrderedDict()
-
-    def access(self, key: Key) -> None:  # a miss: LRU keeps no history of absent keys
-        pass
-
-    def insert(self, key: Key) -> None:
-        self.order[key] = None
-        self.order.move_to_end(key)
-
-    touch = insert  # a hit
-
-    def admit(self, key: Key, victim: Key, coming: bool = False) -> bool:
-        return True
-
-    def remove(self, key: Key) -> None:
-        self.order.pop(key, None)
-
-    def victim(self, protected: set[Key]) -> Key | None:
-        return next((k for k in self.order if k not in protected), None)
-
-
-class DecayedLFU:
-    """Evicts the resident expert with the lowest exponentially decayed use count, and admits a
-    fetched expert only if it has been used more than that victim (TinyLFU-style admission).
-
-    Counts are kept for absent experts too and survive eviction (routing skew is persistent), so
-    a verification batch that touches many rarely used experts streams them through instead of
-    flushing the experts every pass needs; ties go to the least recently used.
-
-    The victim comes from a heap, O(log n) per eviction: decay multiplies every score by the same
-    factor as the clock advances, so log2(count) + last / half_life orders experts exactly as the
-    decayed score does and changes only when an expert is used. Superseded entries are skipped
-    when they surface and dropped when the heap outgrows the resident set.
-    """
-
-    name = "lfu"
-
-    def __init__(self, half_life: float = 512.0):
-        self.half_life = half_life
-        self.clock = 0
-        self.count: dict[Key, float] = defaultdict(float)
-        self.last: dict[Key, int] = {}
-        self.resident: set[Key] = set()
-        self._heap: list[tuple[float, int, Key]] = []
-        self._entry: dict[Key, tuple[float, int, Key]] = {}  # the live heap entry of each resident key
-
-    def _score(self, key: Key) -> float:
-        return self.count[key] * 0.5 ** ((self.clock - self.last.get(key, self.clock)) / self.half_life)
-
-    def _push(self, key: Key) -> None:
-        count, last = self.count[key], self.last.get(key, 0)
-        entry = (math.log2(count) + last / self.half_life if count > 0 else -math.inf, last, key)
-        self._entry[key] = entry
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 4 * len(self._entry) + 64:
-            self._heap = list(self._entry.values())
-            heapq.heapify(self._heap)
-
-    def access(self, key: Key) -> None:
-        self.clock += 1
-        self.count[key] = self._score(key) + 1.0
-        self.last[key] = self.clock
-        if key in self.resident:
-            self._push(key)
-
-    def insert(self, key: Key) -> None:
-        self.resident.add(key)
-        self._push(key)
-
-    def touch(self, key: Key) -> None:  # a hit
-        self.resident.add(key)
-        self.access(key)
-
-    def admit(self, key: Key, victim: Key, coming: bool = False) -> bool:
-        """``coming``: ``key`` is predicted, not used yet: ranked as it will be when its use comes."""
-        return self._score(key) + coming > self._score(victim)
-
-    def remove(self, key: Key) -> None:
-        self.resident.discard(key)
-        self._entry.pop(key, None)
-
-    def victim(self, protected: set[Key]) -> Key | None:
-        skipped, found = [], None
-        while self._heap:
-            entry = self._heap[0]
-            key = entry[2]
-            if self._entry.get(key) is not entry:  # superseded, or no longer resident
-                heapq.heappop(self._heap)
-            elif key in protected:
-                skipped.append(heapq.heappop(self._heap))
-            else:
-                found = key
-                break
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        return found
-
-
-POLICIES = {"lru": LRU, "lfu": DecayedLFU}
 
 
 def _done(item) -> bool:
