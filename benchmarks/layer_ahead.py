@@ -35,9 +35,26 @@ from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E
 WORKLOADS = ("humaneval", "gsm8k", "mt-bench")
 
 
+class Guesser:
+    """Layer L+d's router on layer L's MoE input, rescaled from L's norm weights to L+d's (zero
+    where L's weight is zero: the widened model's padding). Scales are made once per layer pair."""
+
+    def __init__(self, model):
+        c, W = model.config, model.W
+        norms = [np.asarray(W[f"layers.{L}.ffn_norm"], np.float32) for L in range(c.num_layers)]
+        self.routers = [np.asarray(W[f"layers.{L}.router"], np.float32) for L in range(c.num_layers)]
+        self.scales = {(L, d): np.divide(norms[L + d], norms[L], out=np.zeros_like(norms[L]), where=norms[L] != 0)
+                       for L in range(c.num_layers) for d in (1, 2) if L + d < c.num_layers}
+
+    def guess(self, L: int, d: int, x: np.ndarray, n: int) -> list[int]:
+        """The ``n`` experts of layer L+d the guess ranks first, from one token's input ``x`` [H]."""
+        logits = x * self.scales[(L, d)] @ self.routers[L + d].T
+        return np.argsort(-logits, kind="stable")[:n].tolist()
+
+
 def shares(model, ids: list[int], tokens: int) -> dict[str, float]:
     """Over ``tokens`` greedy steps after ``ids``: the share of each guess's hits in the experts chosen."""
-    c, W = model.config, model.W
+    c = model.config
     inputs: dict[int, np.ndarray] = {}
     real = model._moe
 
@@ -47,8 +64,7 @@ def shares(model, ids: list[int], tokens: int) -> dict[str, float]:
 
     model._moe = moe
     try:
-        norms = [np.asarray(W[f"layers.{L}.ffn_norm"], np.float32) for L in range(c.num_layers)]
-        routers = [np.asarray(W[f"layers.{L}.router"], np.float32) for L in range(c.num_layers)]
+        guesser = Guesser(model)
         kv = model.new_cache(len(ids) + tokens + 1)
         logits, _ = model.forward(ids, kv, logits="last")
         kv.commit(kv.filled)
@@ -61,9 +77,7 @@ def shares(model, ids: list[int], tokens: int) -> dict[str, float]:
             for L in chosen:
                 for d in (1, 2):
                     if L + d in chosen:
-                        scale = np.divide(norms[L + d], norms[L], out=np.zeros_like(norms[L]), where=norms[L] != 0)
-                        guess = inputs[L][0] * scale @ routers[L + d].T
-                        named = set(np.argsort(-guess, kind="stable")[:c.top_k].tolist())
+                        named = set(guesser.guess(L, d, inputs[L][0], c.top_k))
                         h = hits[f"layer ahead, d={d}"]
                         h[0] += len(named & chosen[L + d])
                         h[1] += len(chosen[L + d])
@@ -80,15 +94,13 @@ def shares(model, ids: list[int], tokens: int) -> dict[str, float]:
 def guessing(engine, guesses: int) -> None:
     """Make ``engine``'s AR passes prefetch the next layer's ``guesses`` top guessed experts."""
     model, cache, c = engine.model, engine.model.experts, engine.model.config
-    norms = [np.asarray(model.W[f"layers.{L}.ffn_norm"], np.float32) for L in range(c.num_layers)]
-    routers = [np.asarray(model.W[f"layers.{L}.router"], np.float32) for L in range(c.num_layers)]
+    guesser = Guesser(model)
     real_moe, real_forward = model._moe, model.forward
 
     def moe(L, x, policy, rec, norm=None):
         if x.shape[0] == 1 and cache.phase == "ar" and L + 1 < c.num_layers:
-            scale = np.divide(norms[L + 1], norms[L], out=np.zeros_like(norms[L]), where=norms[L] != 0)
-            top = np.argsort(-(x[0] * scale @ routers[L + 1].T), kind="stable")[:guesses]
-            cache.prefetch([(L + 1, int(e)) for e in top if (L + 1, int(e)) not in cache.held])
+            top = guesser.guess(L, 1, x[0], guesses)
+            cache.prefetch([(L + 1, e) for e in top if (L + 1, e) not in cache.held])
         return real_moe(L, x, policy, rec, norm)
 
     def forward(*a, **k):
