@@ -3,6 +3,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "dot.h"
 #include "pool.h"
@@ -253,4 +254,74 @@ int op_route(const float *logits, const float *select, long T, long E, int k, in
             for (int j = 0; j < k; j++) w[j] *= scale;
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* one decode token's MoE layer (step.c): the restriction of its choices, then its experts         */
+
+void op_restrict(const float *logits, long E, int k, const uint8_t *allowed, int best, int64_t *experts,
+                 float *weights) {
+    float w0 = weights[0];
+    int left = 0;
+    for (int j = 0; j < k; j++) {
+        if (experts[j] >= 0 && experts[j] < E && allowed[experts[j]]) {
+            left++;
+        } else {
+            experts[j] = -1;
+            weights[j] = 0.0f;
+        }
+    }
+    if (!best || left) return;
+    int any = 0;
+    for (long e = 0; e < E; e++) any |= allowed[e] != 0;
+    if (!any) return;
+    /* NumPy's argmax over the allowed scores (the rest -inf): the first maximum */
+    long at = 0;
+    float top = allowed[0] ? logits[0] : -INFINITY;
+    for (long e = 1; e < E; e++) {
+        float v = allowed[e] ? logits[e] : -INFINITY;
+        if (v > top) {
+            top = v;
+            at = e;
+        }
+    }
+    experts[0] = at;
+    weights[0] = w0;
+}
+
+int op_moe_token(const moe_expert *chosen, int k, long I, long H, const float *x, float *total, int act, float alpha,
+                 float limit) {
+    /* rows [k, H] of x and of out: choice j reads row j and writes row j, as the batch path's
+     * row t·k + j does (its tok is j) */
+    float *xk = malloc(sizeof(float) * (size_t)(2 * k) * (size_t)H + 1);
+    moe_expert *ex = malloc(sizeof(moe_expert) * (size_t)k + 1);
+    int32_t *slot = malloc(sizeof(int32_t) * (size_t)k + 1);
+    if (!xk || !ex || !slot) {
+        free(xk);
+        free(ex);
+        free(slot);
+        return -2;
+    }
+    float *out = xk + (size_t)k * (size_t)H;
+    int n_ex = 0;
+    for (int j = 0; j < k; j++) {
+        memcpy(xk + (size_t)j * (size_t)H, x, sizeof(float) * (size_t)H);
+        memset(out + (size_t)j * (size_t)H, 0, sizeof(float) * (size_t)H);
+        if (!chosen[j].gate) continue; /* a dropped choice: its row stays 0 */
+        slot[j] = j;
+        ex[n_ex] = chosen[j];
+        ex[n_ex].tok = &slot[j];
+        ex[n_ex].n = 1;
+        n_ex++;
+    }
+    int rc = n_ex ? op_moe(ex, n_ex, I, H, xk, out, act, alpha, limit) : 0;
+    if (!rc) { /* the rows summed in choice order, one addition at a time: NumPy's float32 sums */
+        memcpy(total, out, sizeof(float) * (size_t)H);
+        for (int j = 1; j < k; j++)
+            for (long r = 0; r < H; r++) total[r] = total[r] + out[(size_t)j * (size_t)H + r];
+    }
+    free(xk);
+    free(ex);
+    free(slot);
+    return rc;
 }

@@ -67,4 +67,14 @@ void op_rms_norm(const float *x, const float *w, long rows, long n, float eps, f
 int op_route(const float *logits, const float *select, long T, long E, int k, int kind, int norm, float scale,
              int64_t *experts, float *weights);
 
+/* model/routing.py `restrict` for one token: choices not `allowed` ([E] bool) become -1 with weight
+ * 0; a token left with none gets, with `best`, the allowed expert scored highest, at the weight of
+ * its own top choice. */
+void op_restrict(const float *logits, long E, int k, const uint8_t *allowed, int best, int64_t *experts,
+                 float *weights);
+/* One decode token's experts: total[H] = the sum, in choice order, of chosen[j]'s weighted output on
+ * x[H] (a choice with a NULL gate adds a row of zeros); each choice's weight and no tok/n set. */
+int op_moe_token(const moe_expert *chosen, int k, long I, long H, const float *x, float *total, int act, float alpha,
+                 float limit);
+
 #endif

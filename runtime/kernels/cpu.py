@@ -100,6 +100,7 @@ class CpuOps(ReferenceOps):
             _cpu.pool_spin_us(spin)
         self.path = _cpu.path()
         self.int8_activations = _cpu.act_q8(1 if int8_activations() else 0)  # the reference's choice, read now
+        self._attn_layers: dict[int, tuple] = {}  # layer -> (W, config, `_attn_args`): kept per model's weights
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         if x.dtype != np.float32 or not x.flags.c_contiguous or weight.ndim != 1 or x.shape[-1] != weight.size:
@@ -153,26 +154,37 @@ class CpuOps(ReferenceOps):
         steps between kernels cost about as much as the kernels. None where it does not apply
         (F32 or unjoined projections, clipped q/k/v, RoPE on part of a head): the caller then
         takes the step-by-step path."""
-        p = f"layers.{L}."
-        qkv, o = W.get(p + "qkv"), W.get(p + "o")
-        nh, nkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        kept = self._attn_layers.get(L)
+        if kept is None or kept[0] is not W or kept[1] is not c:  # the layer's fixed arguments, made once
+            kept = self._attn_layers[L] = (W, c, self._attn_args(c, W, L))
+        fixed = kept[2]
         keys, values = kv.keys[L], kv.values[L]
         cos, sin = cs
-        if (c.attention != "gqa" or c.clip_qkv is not None or c.qk_norm not in QK_NORM_IDS or c.rope_dim != D
-                or not all(isinstance(m, StoredMatrix) and m.dtype != "F32" for m in (qkv, o))
-                or not all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (h, keys, values, cos, sin))
+        D = c.head_dim
+        if (fixed is None or not all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (h, keys, values, cos, sin))
                 or keys.shape[-1] != D or cos.shape[-1] * 2 != D):
+            return None
+        qkv, qkv_type, qkv_bias, o, o_type, o_bias, mode, qn, kn, sinks = fixed
+        out = np.empty(h.shape, np.float32)
+        _cpu.attn_block(np.ascontiguousarray(h), _f32(norm), c.rms_norm_eps, qkv, qkv_type, qkv_bias, o, o_type,
+                        o_bias, mode, qn, kn, keys, values, np.ascontiguousarray(cos), np.ascontiguousarray(sin),
+                        np.ascontiguousarray(allowed, dtype=np.bool_), sinks, out, c.num_heads, c.num_kv_heads, D,
+                        start, c.attn_scale, bool(c.rope_interleave))
+        return out
+
+    @staticmethod
+    def _attn_args(c, W, L: int) -> tuple | None:
+        """`gqa_block`'s arguments that are fixed for a layer (its weights, norms and kinds); None
+        where the one-call block does not apply."""
+        p = f"layers.{L}."
+        qkv, o = W.get(p + "qkv"), W.get(p + "o")
+        if (c.attention != "gqa" or c.clip_qkv is not None or c.qk_norm not in QK_NORM_IDS or c.rope_dim != c.head_dim
+                or not all(isinstance(m, StoredMatrix) and m.dtype != "F32" for m in (qkv, o))):
             return None
         mode = QK_NORM_IDS[c.qk_norm]
         qn, kn = (_f32(W[p + "q_norm"]), _f32(W[p + "k_norm"])) if mode else (None, None)
-        out = np.empty(h.shape, np.float32)
-        _cpu.attn_block(np.ascontiguousarray(h), _f32(norm), c.rms_norm_eps, qkv.data, qkv.type_id,
-                        _f32(W.get(p + "qkv_bias")), o.data, o.type_id, _f32(W.get(p + "o_bias")), mode, qn, kn,
-                        keys, values, np.ascontiguousarray(cos), np.ascontiguousarray(sin),
-                        np.ascontiguousarray(allowed, dtype=np.bool_),
-                        _f32(W[p + "sinks"]) if c.attention_sinks else None, out, nh, nkv, D, start, c.attn_scale,
-                        bool(c.rope_interleave))
-        return out
+        return (qkv.data, qkv.type_id, _f32(W.get(p + "qkv_bias")), o.data, o.type_id, _f32(W.get(p + "o_bias")),
+                mode, qn, kn, _f32(W[p + "sinks"]) if c.attention_sinks else None)
 
     def linear(self, x: np.ndarray, W, bias=None) -> np.ndarray:
         if not isinstance(W, StoredMatrix) or W.dtype == "F32":
@@ -190,6 +202,26 @@ class CpuOps(ReferenceOps):
         out = np.empty((ids.size, W.shape[1]), dtype=np.float32)
         _cpu.dequant_rows(W.data, W.type_id, W.shape[0], W.shape[1], ids, out)
         return out
+
+    expert_args = staticmethod(_expert_args)  # a resident table's entries (`moe_step`)
+
+    def moe_step(self, x, logits, k: int, kind: str, norm_topk_prob: bool, scale: float, allowed, fallback: str,
+                 table: list, act):
+        """A decode token's MoE layer in one C call (csrc/cpu/step.c): `route` on its ``logits``
+        [1, E], `restrict` to ``allowed`` and, when ``table`` (per expert: `expert_args` of a
+        resident one, else None) holds every choice, their experts summed in choice order, as
+        `experts` and model/forward.py give them bit for bit. Returns (experts, weights, total [1, H]),
+        total None when a choice is not in the table; None where the step-by-step path decides
+        (a NaN score, a router kind of its own)."""
+        if kind not in ROUTE_KINDS or not 0 < k <= min(64, logits.shape[-1]) or logits.dtype != np.float32 \
+                or x.dtype != np.float32:
+            return None
+        experts, weights, total = np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.empty(x.shape, np.float32)
+        status = _cpu.moe_step(x, logits, k, ROUTE_KINDS[kind], bool(norm_topk_prob), scale, allowed,
+                               fallback == "best", table, ACT_IDS[act.kind], act.alpha, act.limit, experts, weights, total)
+        if status == 2:
+            return None
+        return experts, weights, (total if status == 0 else None)
 
     def experts(self, x: np.ndarray, groups, act, out: np.ndarray) -> np.ndarray:
         args = [_expert_args(g[0]) for g in groups]

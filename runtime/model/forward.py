@@ -95,6 +95,11 @@ class MoEModel:
         self._rope_one: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> its cos, sin
         self.split: TimeSplit | _NoSplit = _NoSplit()
         self._draft_heads: dict[tuple[int, str], DraftHead] = {}
+        # a decode token's MoE layer in one C call (`_moe_step`): where the CPU kernels, a cache
+        # with a resident table, and a router they route like the reference (no groups, no score bias)
+        self._steps = (hasattr(self.ops, "moe_step") and not backend.on_device
+                       and hasattr(self.experts, "resident_table") and not self.config.expert_groups
+                       and not any(name.endswith("router_score_bias") for name in self._host))
 
     def draft_head(self, n: int, ranks_path: str | None = None) -> DraftHead | None:
         """The lm head over the ``n`` most frequent tokens (model/draft_head.py), built once per
@@ -146,24 +151,43 @@ class MoEModel:
                                                                 W.get(p + "router_bias"))
             logits = self.backend.to_host(logits)  # [T, E]
             k = policy.k_for(L, c.top_k)
-            bias = policy.selection_bias(L, logits) if policy.selection_bias else None
-            groups = (c.expert_groups, c.expert_groups_used) if c.expert_groups else None
-            experts, weights = self.ops.route(logits, k, c.router, c.norm_topk_prob, bias,
-                                              scale=c.routed_scaling_factor, groups=groups,
-                                              score_bias=host.get(p + "router_score_bias"))
-            allowed = policy.allowed(L) if policy.allowed else None
-            if allowed is not None:  # e.g. a draft restricted to resident experts: it never waits
-                experts, weights = restrict(experts, weights, logits, allowed, policy.fallback)
+            stepped = self._moe_step(L, x, logits, k, policy) if self._steps and logits.shape[0] == 1 \
+                and residual is None and not policy.selection_bias else None
+            if stepped is None:
+                bias = policy.selection_bias(L, logits) if policy.selection_bias else None
+                groups = (c.expert_groups, c.expert_groups_used) if c.expert_groups else None
+                experts, weights = self.ops.route(logits, k, c.router, c.norm_topk_prob, bias,
+                                                  scale=c.routed_scaling_factor, groups=groups,
+                                                  score_bias=host.get(p + "router_score_bias"))
+                allowed = policy.allowed(L) if policy.allowed else None
+                if allowed is not None:  # e.g. a draft restricted to resident experts: it never waits
+                    experts, weights = restrict(experts, weights, logits, allowed, policy.fallback)
+                out = None
+            else:
+                experts, weights, out = stepped  # out None: a choice not resident, streamed below
             if record is not None:
                 record.layers[L] = LayerRouting(logits, experts, weights)
         grouped = residual is not None and not c.shared_expert_intermediate_size
-        with self.split.part("experts"):
-            out = self._experts_grouped(L, x, experts, weights, residual) if grouped else \
-                self._experts(L, x, experts, weights)
+        if out is None:
+            with self.split.part("experts"):
+                out = self._experts_grouped(L, x, experts, weights, residual) if grouped else \
+                    self._experts(L, x, experts, weights)
         if c.shared_expert_intermediate_size:  # dense, resident: not through the expert cache
             with self.split.part("shared_experts"):
                 out += self._dense_mlp(L, x, "shared_")
         return out if grouped or residual is None else residual + out
+
+    def _moe_step(self, L: int, x: np.ndarray, logits: np.ndarray, k: int, policy: RoutingPolicy):
+        """A decode token's routing, restriction and resident experts in one C call (kernels/cpu.py
+        `moe_step`), with the cache's bookkeeping of what it computed. (experts, weights, out), out
+        None when a choice is not resident; None where the step-by-step path decides."""
+        c = self.config
+        got = self.ops.moe_step(x, logits, k, c.router, c.norm_topk_prob, c.routed_scaling_factor,
+                                policy.allowed(L) if policy.allowed else None, policy.fallback,
+                                self.experts.resident_table(L, c.num_experts, self.ops.expert_args), self.act)
+        if got is not None and got[2] is not None:
+            self.experts.note_resident(L, sorted(e for e in got[0][0].tolist() if e >= 0))
+        return got
 
     def _experts(self, L: int, x: np.ndarray, experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Tokens grouped by expert; each expert's weights fetched once for the whole pass. The

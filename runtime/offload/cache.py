@@ -139,6 +139,7 @@ class ExpertCache:
         self.held: dict[Key, ExpertWeights] = {}
         self._by_layer: dict[int, set[int]] = defaultdict(set)  # resident experts per layer
         self._masks: dict[int, np.ndarray] = {}  # resident_mask's, kept until the layer's residency changes
+        self._tables: dict[int, tuple] = {}  # resident_table's, the same
         self.pinned: set[Key] = set()
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
@@ -234,6 +235,7 @@ class ExpertCache:
         self.held[key] = weights
         self._by_layer[key[0]].add(key[1])
         self._masks.pop(key[0], None)
+        self._tables.pop(key[0], None)
         self.resident_bytes += weights.nbytes
         self.policy.insert(key)
 
@@ -241,6 +243,7 @@ class ExpertCache:
         self.resident_bytes -= self.held.pop(key).nbytes
         self._by_layer[key[0]].discard(key[1])
         self._masks.pop(key[0], None)
+        self._tables.pop(key[0], None)
 
     def _make_room(self, key: Key, size: int, protected: set[Key], coming: bool = False) -> bool:
         """Evict until ``key`` fits, if the policy admits it over each victim; False at the first
@@ -269,6 +272,24 @@ class ExpertCache:
         if not all((layer, e) in held for e in experts):
             return None
         return self._look_up(layer, experts)[2]
+
+    def resident_table(self, layer: int, num_experts: int, convert) -> list:
+        """[E]: ``convert(weights)`` of each resident expert of ``layer``, None for the others, kept
+        until the layer's residency changes (a decode step's one C call looks its experts up here:
+        kernels/cpu.py `moe_step`). Not a use: `note_resident` notes the ones a pass computed."""
+        kept = self._tables.get(layer)
+        if kept is None or kept[0] is not convert or len(kept[1]) != num_experts:
+            held = self.held
+            table = [None] * num_experts
+            for e in self._by_layer.get(layer, ()):
+                if e < num_experts:
+                    table[e] = convert(held[(layer, e)])
+            kept = self._tables[layer] = (convert, table)
+        return kept[1]
+
+    def note_resident(self, layer: int, experts: Sequence[int]) -> None:
+        """A pass computed ``experts``, all resident, from `resident_table`: `stream`'s bookkeeping."""
+        self._look_up(layer, experts)
 
     def _look_up(self, layer: int, experts: Sequence[int]):
         """A pass asks for ``experts``: note them (the pass's keys, the draft's predictions, the
