@@ -127,6 +127,12 @@ def test_prefetch_stays_within_its_slots_and_marks_only_its_own_layer_available(
         assert (cache.available_masks(layers, E) == np.stack([cache.available_mask(L, E) for L in layers])).all()
     cache.settle_prefetches()
     assert cache.prefetching == 0 and cache.resident_bytes <= cache.capacity
+    every = [0, 1, 2, 3]
+    cache.available_masks(every, E)[:] = True  # the caller's copy: the kept mask is not changed
+    assert (cache.available_masks(every, E) == np.stack([cache.available_mask(L, E) for L in every])).all()
+    assert cache.available_masks(every, E).any()
+    cache.clear()  # evictions: the kept mask follows them
+    assert not cache.available_masks(every, E).any()
     engine.close()
 
 

@@ -216,3 +216,16 @@ def test_ae_prediction_under_the_resident_variant_favours_only_tier_experts_its_
         dec = SpeculativeDecoder(_TierModel, get_method("s2moe"), SpecSettings(rg_variant="resident", rg_residency=rho),
                                  costs)
         assert dec._predicted_experts(_record(logits), 0, set()) == want, rho
+
+
+def test_the_tiers_preferred_set_is_the_same_from_the_shared_sort():
+    """A draft pass sorts a token's logits once (`_logit_rows`) and the resident E* reads the row's
+    range from that sort: it must rank exactly as from the rows' own minimum and maximum."""
+    rng = np.random.default_rng(2)
+    for rho in (0.1, 0.25, 0.5, 1.0):
+        dec = SpeculativeDecoder(_TierModel, get_method("s2moe"), SpecSettings(rg_variant="resident", rg_residency=rho),
+                                 CostConstants(1, 1, 1, 1))
+        for _ in range(50):
+            rows = rng.standard_normal((1, 8)) * rng.uniform(0.1, 5)
+            ordered = -np.sort(-rows, axis=1)
+            assert np.array_equal(dec._tier_in_preferred_set([0], rows, ordered), dec._tier_in_preferred_set([0], rows))

@@ -115,17 +115,26 @@ class SpeculativeDecoder:
         if prefetch and self.settings.prefetch:
             prefetch(sorted(keys))
 
-    def _predicted_experts(self, record: RoutingRecord, t: int, batch: set[Key] | None = None) -> set[Key]:
+    def _logit_rows(self, record: RoutingRecord, t: int):
+        """Token t's router logits of every layer, [layers, E] float64, and the same rows sorted
+        high to low: both predictions of a draft pass (prefetch, AE) start from them."""
+        layers = list(record.layers)
+        if not layers:  # (a stub model without MoE layers)
+            return layers, None, None
+        rows = np.stack([record.layers[L].logits[t] for L in layers]).astype(np.float64)  # [layers, E]
+        return layers, rows, -np.sort(-rows, axis=1)
+
+    def _predicted_experts(self, record: RoutingRecord, t: int, batch: set[Key] | None = None,
+                           rows=None) -> set[Key]:
         """Experts token t would use in verification: the target top-k of its draft-time logits.
         With reuse-aware gating and the batch's experts so far (``batch``), the top-k of the logits
         as gating will bias them: the batch's experts (and, for the "resident" variant, what the
         fast tier holds or is reading and its E* would take) raised by the token's own top-1 −
         (k+1)-th gap, so AE prices what verification will really load. Every layer at once: this
-        runs once or twice per draft pass."""
-        layers = list(record.layers)
-        if not layers:  # (a stub model without MoE layers)
+        runs once or twice per draft pass, sharing ``rows`` (`_logit_rows`) when given."""
+        layers, rows, ordered = rows if rows is not None else self._logit_rows(record, t)
+        if not layers:
             return set()
-        rows = np.stack([record.layers[L].logits[t] for L in layers]).astype(np.float64)  # [layers, E]
         if batch is not None and self.method.reuse_gating and self.settings.rg_strength > 0:
             index = {L: i for i, L in enumerate(layers)}
             favoured = np.zeros(rows.shape, dtype=bool)
@@ -133,18 +142,17 @@ class SpeculativeDecoder:
                 if L in index:
                     favoured[index[L], e] = True
             if self.settings.rg_variant == "resident":
-                favoured |= self._tier_in_preferred_set(layers, rows)
-            ordered = -np.sort(-rows, axis=1)
+                favoured |= self._tier_in_preferred_set(layers, rows, ordered)
             gap = ordered[:, 0] - ordered[:, min(self.top_k, rows.shape[1] - 1)]
             rows = rows + self.settings.rg_strength * gap[:, None] * favoured
         return {(L, e) for L, top in zip(layers, top_k_indices(rows, self.top_k).tolist()) for e in top}
 
-    def _tier_in_preferred_set(self, layers: list[int], logits: np.ndarray):
+    def _tier_in_preferred_set(self, layers: list[int], logits: np.ndarray, ordered: np.ndarray | None = None):
         """[layers, E] bool: the available experts (resident or being read) that the "resident"
         variant's E* takes for this token, per layer: its logits scaled to [0, 1], plus ρ where
         available, top max(cap, k), as `ReuseGating` ranks a batch's importance (`preferred_set`,
         row by row). A small ρ adds only the available experts the token already ranks high;
-        ρ ≥ 1 adds every one (up to the cap)."""
+        ρ ≥ 1 adds every one (up to the cap). ``ordered``: the rows sorted high to low, if known."""
         if self.settings.rg_residency <= 0:  # ρ = 0: the paper's E*, AE's paper rule
             return False
         masks = getattr(self.cache, "available_masks", None)
@@ -155,8 +163,11 @@ class SpeculativeDecoder:
             avail = None if rows[0] is None else np.stack(rows)
         if avail is None:  # no budget: nothing to favour
             return False
-        low = logits.min(1, keepdims=True)
-        spread = logits.max(1, keepdims=True) - low
+        if ordered is None:
+            low, high = logits.min(1, keepdims=True), logits.max(1, keepdims=True)
+        else:  # the same values, from the sort already made
+            low, high = ordered[:, -1:], ordered[:, :1]
+        spread = high - low
         g = (logits - low) / np.where(spread > 0, spread, 1.0) + self.settings.rg_residency * avail
         size = min(max(self.settings.reuse_cap_for(self.top_k), self.top_k), logits.shape[1])
         star = np.zeros(logits.shape, dtype=bool)
@@ -268,9 +279,10 @@ class SpeculativeDecoder:
                 next_logits, rec = self.model.forward([token], kv, policy=self.draft_policy, logits="last",
                                                       head=self.draft_head)
                 self.metrics.draft_passes += 1
-                self._prefetch(self._predicted_experts(rec, 0))  # verification will need these: read them now
+                rows = self._logit_rows(rec, 0)
+                self._prefetch(self._predicted_experts(rec, 0, rows=rows))  # verification will need these: read them now
             if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
-                new = self._predicted_experts(rec, 0, selected) - selected
+                new = self._predicted_experts(rec, 0, selected, rows) - selected
                 delta = marginal_verification_cost(new, self._state, costs)
                 gain += ceiling - s.utility_threshold * delta
                 selected |= new

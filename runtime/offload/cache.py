@@ -140,6 +140,7 @@ class ExpertCache:
         self._by_layer: dict[int, set[int]] = defaultdict(set)  # resident experts per layer
         self._masks: dict[int, np.ndarray] = {}  # resident_mask's, kept until the layer's residency changes
         self._tables: dict[int, tuple] = {}  # resident_table's, the same
+        self._avail: dict[tuple, np.ndarray] = {}  # available_masks' resident part per layer list: the same
         self.pinned: set[Key] = set()
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
@@ -236,6 +237,7 @@ class ExpertCache:
         self._by_layer[key[0]].add(key[1])
         self._masks.pop(key[0], None)
         self._tables.pop(key[0], None)
+        self._avail.clear()
         self.resident_bytes += weights.nbytes
         self.policy.insert(key)
 
@@ -244,6 +246,7 @@ class ExpertCache:
         self._by_layer[key[0]].discard(key[1])
         self._masks.pop(key[0], None)
         self._tables.pop(key[0], None)
+        self._avail.clear()
 
     def _make_room(self, key: Key, size: int, protected: set[Key], coming: bool = False) -> bool:
         """Evict until ``key`` fits, if the policy admits it over each victim; False at the first
@@ -504,21 +507,27 @@ class ExpertCache:
 
     def available_masks(self, layers: Sequence[int], num_experts: int):
         """[len(layers), E] bool, each row `available_mask` of that layer, built at once (AE asks
-        for every layer on each draft token); None without a budget."""
+        for every layer on each draft token); None without a budget. The resident part is kept
+        until residency changes, as `resident_mask` is; the prefetches in flight join each copy."""
         if self.capacity is None:
             return None
         row = {L: i for i, L in enumerate(layers)}
-        rows, cols = [], []
-        for L, i in row.items():
-            experts = self._by_layer.get(L, ())
-            rows.extend([i] * len(experts))
-            cols.extend(experts)
+        key = (tuple(layers), num_experts)
+        base = self._avail.get(key)
+        if base is None:
+            rows, cols = [], []
+            for L, i in row.items():
+                experts = self._by_layer.get(L, ())
+                rows.extend([i] * len(experts))
+                cols.extend(experts)
+            base = np.zeros((len(layers), num_experts), dtype=bool)
+            base[rows, cols] = True
+            base.flags.writeable = False
+            self._avail[key] = base
+        mask = base.copy()
         for L, e in self._prefetched:
             if L in row:
-                rows.append(row[L])
-                cols.append(e)
-        mask = np.zeros((len(layers), num_experts), dtype=bool)
-        mask[rows, cols] = True
+                mask[row[L], e] = True
         return mask
 
     def available_mask(self, layer: int, num_experts: int):
