@@ -85,7 +85,7 @@ PREFETCH: list[Mutation] = [
              "                    favoured[index[L], e] = True", "                    pass",
              ["tests/test_residency_gating.py"], "AE prices a token's experts without the batch's bias (vectorised prediction)"),
     Mutation("available-masks-without-prefetches", "runtime/offload/cache.py",
-             "            if L in row:\n                rows.append(row[L])", "            if False:\n                rows.append(row[L])",
+             "            if L in row:\n                mask[row[L], e] = True", "            if False:\n                mask[row[L], e] = True",
              ["tests/test_draft_residency.py", "-k", "slots"], "AE's all-layer availability forgets experts a prefetch is reading"),
     Mutation("prefetch-issue-time-after-submit", "runtime/offload/cache.py",
              "            self._prefetched[key] = (future, issued_at, done)",
