@@ -43,7 +43,9 @@ def _biased(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
 
 
 class TimeSplit:
-    """Accumulated seconds per part of the pass (attention, router, experts, lm_head)."""
+    """Accumulated seconds per part of the pass (attention, router, experts, lm_head). A decode
+    token's MoE layer in one call (`MoEModel._moe_step`) counts under router, experts and all,
+    except what it hands back to be streamed."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
