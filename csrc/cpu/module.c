@@ -16,6 +16,7 @@
 #include "ops.h"
 #include "pool.h"
 #include "quant.h"
+#include "predict.h"
 #include "step.h"
 
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
@@ -402,6 +403,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", "s2moe CPU ke
 
 PyMODINIT_FUNC PyInit__cpu(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && (aio_register(m) < 0 || step_register(m) < 0)) Py_CLEAR(m);
+    if (m && (aio_register(m) < 0 || step_register(m) < 0 || predict_register(m) < 0)) Py_CLEAR(m);
     return m;
 }

@@ -136,16 +136,56 @@ class SpeculativeDecoder:
         if not layers:
             return set()
         if batch is not None and self.method.reuse_gating and self.settings.rg_strength > 0:
-            index = {L: i for i, L in enumerate(layers)}
-            favoured = np.zeros(rows.shape, dtype=bool)
-            for L, e in batch:
-                if L in index:
-                    favoured[index[L], e] = True
+            favoured = self._batch_mask(layers, batch, rows.shape)
             if self.settings.rg_variant == "resident":
                 favoured |= self._tier_in_preferred_set(layers, rows, ordered)
             gap = ordered[:, 0] - ordered[:, min(self.top_k, rows.shape[1] - 1)]
             rows = rows + self.settings.rg_strength * gap[:, None] * favoured
         return {(L, e) for L, top in zip(layers, top_k_indices(rows, self.top_k).tolist()) for e in top}
+
+    def _predictions(self, record: RoutingRecord, batch: set[Key] | None) -> tuple[set[Key], set[Key] | None]:
+        """A draft pass's two predictions for its token (row 0): `_predicted_experts` without and,
+        if ``batch`` is given, with the batch (what it prefetches, what AE prices). One C call where
+        the kernels have it (`CpuOps.ae_predict`: about 40 NumPy calls a pass otherwise), else the
+        NumPy path, sharing one sort."""
+        fast = getattr(getattr(self.model, "ops", None), "ae_predict", None)
+        layers = list(record.layers)
+        rows = np.stack([record.layers[L].logits[0] for L in layers]) if fast and layers else None
+        if rows is None or rows.dtype != np.float32 or not 0 < self.top_k <= rows.shape[1]:
+            shared = self._logit_rows(record, 0)
+            return (self._predicted_experts(record, 0, rows=shared),
+                    None if batch is None else self._predicted_experts(record, 0, batch, shared))
+        s, E = self.settings, rows.shape[1]
+        favoured = avail = None
+        size = 0
+        if batch is not None and self.method.reuse_gating and s.rg_strength > 0:
+            favoured = self._batch_mask(layers, batch, rows.shape)
+            if s.rg_variant == "resident" and s.rg_residency > 0:
+                avail = self._available_rows(layers, E)
+                size = min(max(s.reuse_cap_for(self.top_k), self.top_k), E)
+        out = fast(rows, self.top_k, favoured, s.rg_strength, avail, s.rg_residency, size).tolist()
+        plain = {(L, e) for L, top in zip(layers, out[0]) for e in top}
+        if batch is None:
+            return plain, None
+        return plain, ({(L, e) for L, top in zip(layers, out[1]) for e in top} if favoured is not None else set(plain))
+
+    @staticmethod
+    def _batch_mask(layers: list[int], batch: set[Key], shape) -> np.ndarray:
+        """[layers, E] bool: the batch's experts, a row per entry of ``layers`` (other layers' left out)."""
+        index = {L: i for i, L in enumerate(layers)}
+        favoured = np.zeros(shape, dtype=bool)
+        for L, e in batch:
+            if L in index:
+                favoured[index[L], e] = True
+        return favoured
+
+    def _available_rows(self, layers: list[int], num_experts: int):
+        """[layers, E] bool: resident or being read, per layer; None without a budget."""
+        masks = getattr(self.cache, "available_masks", None)
+        if masks is not None:
+            return masks(layers, num_experts)
+        rows = [self._available(L) for L in layers]  # a provider with the one-layer query only
+        return None if rows[0] is None else np.stack(rows)
 
     def _tier_in_preferred_set(self, layers: list[int], logits: np.ndarray, ordered: np.ndarray | None = None):
         """[layers, E] bool: the available experts (resident or being read) that the "resident"
@@ -155,12 +195,7 @@ class SpeculativeDecoder:
         ρ ≥ 1 adds every one (up to the cap). ``ordered``: the rows sorted high to low, if known."""
         if self.settings.rg_residency <= 0:  # ρ = 0: the paper's E*, AE's paper rule
             return False
-        masks = getattr(self.cache, "available_masks", None)
-        if masks is not None:
-            avail = masks(layers, logits.shape[1])
-        else:  # a provider with the one-layer query only
-            rows = [self._available(L) for L in layers]
-            avail = None if rows[0] is None else np.stack(rows)
+        avail = self._available_rows(layers, logits.shape[1])
         if avail is None:  # no budget: nothing to favour
             return False
         if ordered is None:
@@ -279,10 +314,10 @@ class SpeculativeDecoder:
                 next_logits, rec = self.model.forward([token], kv, policy=self.draft_policy, logits="last",
                                                       head=self.draft_head)
                 self.metrics.draft_passes += 1
-                rows = self._logit_rows(rec, 0)
-                self._prefetch(self._predicted_experts(rec, 0, rows=rows))  # verification will need these: read them now
+                plain, gated = self._predictions(rec, selected if m.admit == "utility" and not last else None)
+                self._prefetch(plain)  # verification will need these: read them now
             if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
-                new = self._predicted_experts(rec, 0, selected, rows) - selected
+                new = gated - selected
                 delta = marginal_verification_cost(new, self._state, costs)
                 gain += ceiling - s.utility_threshold * delta
                 selected |= new

@@ -223,6 +223,16 @@ class CpuOps(ReferenceOps):
             return None
         return experts, weights, (total if status == 0 else None)
 
+    def ae_predict(self, rows: np.ndarray, k: int, favoured, strength: float, avail, rho: float, size: int):
+        """A draft token's expert predictions in one C call (csrc/cpu/predict.c): [2, layers, k],
+        each row's top-k of ``rows`` (float32 [layers, E] router logits), then, when ``favoured``
+        is given, its top-k under reuse-aware gating as decoding/speculative.py
+        `_predicted_experts` computes it (``avail``: the tier's mask for the "resident" E*, or
+        None). The same experts as that NumPy path (tests/test_ae_predict.py)."""
+        out = np.empty((2, rows.shape[0], k), np.int64)
+        _cpu.ae_predict(rows, rows.shape[0], rows.shape[1], k, out, favoured, strength, avail, rho, size)
+        return out
+
     def experts(self, x: np.ndarray, groups, act, out: np.ndarray) -> np.ndarray:
         args = [_expert_args(g[0]) for g in groups]
         if None in args:  # float32 experts: BLAS, as above

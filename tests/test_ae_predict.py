@@ -1,0 +1,105 @@
+"""A draft token's two expert predictions in one C call (csrc/cpu/predict.c, `CpuOps.ae_predict`,
+speculative.py `_predictions`) against the NumPy path they replace (`_predicted_experts`): the same
+experts for every gating setting, ties, and tier mask, and the same decoding run end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from s2moe.runtime.cli.common import DEFAULT_MODEL
+from s2moe.runtime.decoding.cost_model import CostConstants
+from s2moe.runtime.decoding.methods import SpecSettings, get_method
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+from s2moe.runtime.engine import build_engine
+from s2moe.runtime.kernels.cpu import CpuOps
+from s2moe.runtime.model.routing import LayerRouting, RoutingRecord
+
+COSTS = CostConstants(t_ar=0.01, c_draft=0.001, t_exp_miss=0.0005, t_exp_hit=0.0001)  # AE drafts
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = build_engine(str(DEFAULT_MODEL), "0.25", 256)
+    assert isinstance(e.model.ops, CpuOps), "the compiled kernels are part of the build (setup.py)"
+    return e
+
+
+def _record(rows: np.ndarray, layers) -> RoutingRecord:
+    rec = RoutingRecord()
+    for L, row in zip(layers, rows):
+        rec.layers[L] = LayerRouting(row[None, :].astype(np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
+    return rec
+
+
+def _numpy_path(dec, rec, batch):
+    shared = dec._logit_rows(rec, 0)
+    return dec._predicted_experts(rec, 0, rows=shared), None if batch is None else dec._predicted_experts(rec, 0, batch, shared)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the NumPy path on a row holding -inf
+def test_one_call_predicts_what_the_numpy_path_predicts(engine):
+    rng = np.random.default_rng(7)
+    E = engine.model.config.num_experts
+    cases = 0
+    for trial in range(600):
+        variant = ("resident", "paper", "code")[trial % 3]
+        settings = SpecSettings(rg_variant=variant, rg_strength=float(rng.choice([0.0, 0.3, 1.0, 2.5])),
+                                rg_residency=float(rng.choice([0.0, 0.1, 0.25, 1.0, 3.0])),
+                                reuse_cap=int(rng.integers(1, 9)))
+        method = get_method("s2moe", reuse_gating=bool(trial % 7))
+        dec = SpeculativeDecoder(engine.model, method, settings, COSTS)
+        layers = sorted(rng.choice(np.arange(6), size=int(rng.integers(1, 5)), replace=False).tolist())
+        if trial % 4 == 0:  # few distinct values: ties everywhere, to the lower expert id on both paths
+            rows = rng.integers(-2, 3, (len(layers), E)).astype(np.float32)
+        elif trial % 4 == 1:  # a flat row: no spread in E*'s scaling
+            rows = np.full((len(layers), E), rng.standard_normal(), np.float32)
+        else:
+            rows = (rng.standard_normal((len(layers), E)) * rng.uniform(0.1, 5)).astype(np.float32)
+        if trial % 9 == 0:  # -inf scores, up to all but one: NaN in the gated and E* rows, ranked last on both paths
+            rows[0, rng.permutation(E)[:int(rng.integers(1, E))]] = -np.inf
+        avail = rng.random((len(layers), E)) < rng.random()
+        dec._available_rows = lambda ls, n, a=avail: a.copy()  # the tier, as both paths ask for it
+        batch = None if trial % 5 == 0 else {(int(rng.choice(layers + [9])), int(rng.integers(E)))
+                                              for _ in range(int(rng.integers(0, 30)))}
+        got = dec._predictions(_record(rows, layers), batch)
+        assert got == _numpy_path(dec, _record(rows, layers), batch), trial
+        cases += got[1] is not None and got[1] != got[0]
+    assert cases > 100  # gating moved the prediction in many of them
+
+
+def test_the_one_call_is_taken_and_refuses_wrong_sizes(engine, monkeypatch):
+    dec = SpeculativeDecoder(engine.model, get_method("s2moe"), SpecSettings(), COSTS)
+    rows = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    calls = []
+    real = CpuOps.ae_predict
+    monkeypatch.setattr(CpuOps, "ae_predict", lambda self, *a: calls.append(a) or real(self, *a))
+    dec._predictions(_record(rows, range(4)), {(0, 1)})
+    assert len(calls) == 1 and calls[0][2] is not None  # both predictions, one call
+    from s2moe import _cpu
+    out = np.empty((2, 4, 4), np.int64)
+    for bad in [(rows, 4, 33, 4, out), (rows, 4, 32, 33, out), (rows, 4, 32, 4, out[:1]),
+                (rows.astype(np.float64), 4, 32, 4, out)]:
+        with pytest.raises(ValueError):
+            _cpu.ae_predict(*bad, None, 1.0, None, 0.0, 0)
+    with pytest.raises(ValueError):  # a tier mask of the wrong size
+        _cpu.ae_predict(rows, 4, 32, 4, out, np.zeros((4, 32), bool), 1.0, np.zeros(5, bool), 0.25, 4)
+
+
+@pytest.mark.parametrize("method", ["s2moe", "ca+ae"])
+def test_a_decoding_run_is_the_same_on_either_path(method, monkeypatch):
+    """Greedy, fixed constants: the same tokens, drafts, verifications and prefetches."""
+    ids = [int(t) for t in np.random.default_rng(5).integers(10, 6000, 12)]
+
+    def run():
+        engine = build_engine(str(DEFAULT_MODEL), "0.25", 256)
+        result = SpeculativeDecoder(engine.model, get_method(method), SpecSettings(draft_cap=6), COSTS).generate(ids, 48)
+        p, counts = engine.cache.prefetch_stats, result.metrics.to_dict(len(result.tokens))
+        counts = {k: v for k, v in counts.items() if not k.endswith("seconds")}  # everything but time
+        return result.tokens, counts, (p.issued, p.refused, p.borrowed, p.used)
+
+    fast = run()
+    monkeypatch.delattr(CpuOps, "ae_predict")
+    reference = run()
+    assert fast[1]["draft_passes"] > 10 and fast[2][0] > 0
+    assert fast == reference
