@@ -68,22 +68,26 @@ def test_one_call_predicts_what_the_numpy_path_predicts(engine):
     assert cases > 100  # gating moved the prediction in many of them
 
 
-def test_the_one_call_is_taken_and_refuses_wrong_sizes(engine, monkeypatch):
+def test_the_one_call_is_taken_and_refuses_what_it_cannot_read(engine, monkeypatch):
     dec = SpeculativeDecoder(engine.model, get_method("s2moe"), SpecSettings(), COSTS)
     rows = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
     calls = []
     real = CpuOps.ae_predict
     monkeypatch.setattr(CpuOps, "ae_predict", lambda self, *a: calls.append(a) or real(self, *a))
-    dec._predictions(_record(rows, range(4)), {(0, 1)})
-    assert len(calls) == 1 and calls[0][2] is not None  # both predictions, one call
+    dec._predictions(_record(rows, range(4)), {(0, 1), (7, 99)})  # a key of another layer is left out
+    assert len(calls) == 1 and calls[0][3] is not None  # both predictions, one call
     from s2moe import _cpu
-    out = np.empty((2, 4, 4), np.int64)
-    for bad in [(rows, 4, 33, 4, out), (rows, 4, 32, 33, out), (rows, 4, 32, 4, out[:1]),
-                (rows.astype(np.float64), 4, 32, 4, out)]:
-        with pytest.raises(ValueError):
-            _cpu.ae_predict(*bad, None, 1.0, None, 0.0, 0)
-    with pytest.raises(ValueError):  # a tier mask of the wrong size
-        _cpu.ae_predict(rows, 4, 32, 4, out, np.zeros((4, 32), bool), 1.0, np.zeros(5, bool), 0.25, 4)
+    good = ([rows[i] for i in range(4)], [0, 1, 2, 3], 32, 4, {(0, 1)}, 1.0, None, 0.0, 0)
+    assert _cpu.ae_predict(*good)[1] is not None
+    for at, bad in [(1, [0, 1, 2]), (2, 33), (3, 33), (3, 0), (0, [rows[0], rows[1][:16], rows[2], rows[3]]),
+                    (0, [r.astype(np.float64) for r in rows]), (4, {(0, 32)}), (4, {(0, -1)}), (4, {"x"}),
+                    (4, {(0, 1, 2)}), (6, np.zeros(5, bool)), (1, ["a", 1, 2, 3])]:
+        args = list(good)
+        args[at] = bad
+        if at == 6:
+            args[8] = 4
+        with pytest.raises((ValueError, TypeError)):  # TypeError: a layer id that is not an int
+            _cpu.ae_predict(*args)
 
 
 @pytest.mark.parametrize("method", ["s2moe", "ca+ae"])
@@ -103,3 +107,19 @@ def test_a_decoding_run_is_the_same_on_either_path(method, monkeypatch):
     reference = run()
     assert fast[1]["draft_passes"] > 10 and fast[2][0] > 0
     assert fast == reference
+
+
+def test_a_greedy_draft_tokens_probability_is_softmaxs_bit_for_bit(engine):
+    """`_pick` takes 1 / Σ exp(x − max) for the argmax instead of the whole softmax: the same bits."""
+    from s2moe.runtime.decoding.sampling import draws_for
+    from s2moe.runtime.model.routing import softmax
+
+    dec = SpeculativeDecoder(engine.model, get_method("s2moe"), SpecSettings(), COSTS)
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        x = (rng.standard_normal(int(rng.integers(1, 7000))) * rng.uniform(0.01, 40)).astype(np.float32)
+        if trial % 7 == 0:
+            x[rng.permutation(x.size)[:x.size // 2]] = -np.inf
+        token, prob, dist = dec._pick(x, draws_for(dec.params), 0)
+        assert token == int(np.argmax(x)) and dist is None
+        assert prob == float(softmax(x.astype(np.float64))[token]), trial

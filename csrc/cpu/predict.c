@@ -35,45 +35,103 @@ static int descending(const void *pa, const void *pb) {
     return above(a, b) ? -1 : above(b, a) ? 1 : 0;
 }
 
-/* ae_predict(logits, layers, E, k, out, favoured, strength, avail, rho, size): logits float32
- * [layers, E]; out int64 [2, layers, k]: out[0] the top-k of each row, out[1] (when favoured is not
- * None) the top-k of the row raised by strength × (top-1 − (k+1)-th) where favoured, itself raised
- * where avail (uint8 [layers, E], or None) marks an expert in the top `size` of the row scaled to
- * [0, 1] plus rho where available ("resident" reuse gating's E*). */
+/* (layer, expert) pairs of each row's k picks, into a new set */
+static PyObject *as_set(PyObject *layers, const long long *picks, int L, int k) {
+    PyObject *set = PySet_New(NULL);
+    for (int r = 0; set && r < L; r++)
+        for (int j = 0; j < k; j++) {
+            PyObject *e = PyLong_FromLongLong(picks[(size_t)r * k + j]);
+            PyObject *key = e ? PyTuple_Pack(2, PyList_GET_ITEM(layers, r), e) : NULL;
+            Py_XDECREF(e);
+            if (!key || PySet_Add(set, key) < 0) Py_CLEAR(set);
+            Py_XDECREF(key);
+        }
+    return set;
+}
+
+/* the batch's (layer, expert) pairs as a [L, E] mask, rows in `layers` order; other layers left out */
+static int batch_mask(PyObject *batch, const long *ids, int L, int E, unsigned char *fav) {
+    memset(fav, 0, (size_t)L * E);
+    PyObject *it = PyObject_GetIter(batch), *item;
+    if (!it) return -1;
+    while ((item = PyIter_Next(it))) {
+        long layer = -1, e = -1;
+        if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2) {
+            layer = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+            e = PyLong_AsLong(PyTuple_GET_ITEM(item, 1));
+        }
+        Py_DECREF(item);
+        int mine = 0; /* a key of another layer is left out, whatever its expert (as the NumPy path does) */
+        for (int r = 0; r < L; r++) mine |= ids[r] == layer;
+        if (PyErr_Occurred() || layer < 0 || (mine && (e < 0 || e >= E))) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "ae_predict: the batch holds a key that is not (layer, expert)");
+            Py_DECREF(it);
+            return -1;
+        }
+        for (int r = 0; r < L; r++)
+            if (ids[r] == layer) fav[(size_t)r * E + e] = 1;
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* ae_predict(rows, layers, E, k, batch, strength, avail, rho, size) -> (plain, gated): rows a list of
+ * float32 router-logit arrays, one per entry of `layers` (a list of layer ids), each read from its
+ * first E values (a record's row 0). plain: each row's top-k as a set of (layer, expert); gated (None
+ * when batch is None): the top-k of each row raised by strength × (top-1 − (k+1)-th) where the batch
+ * (a set of (layer, expert)) holds the expert, or where avail (uint8 [L, E], or None) marks it and
+ * it is in the top `size` of the row scaled to [0, 1] plus rho where available ("resident" reuse
+ * gating's E*). */
 static PyObject *py_ae_predict(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *o_logits, *o_out, *o_fav, *o_avail;
-    int L, E, k, size;
+    PyObject *rows, *layers, *batch, *o_avail;
+    int E, k, size;
     double strength, rho;
-    if (!PyArg_ParseTuple(args, "OiiiOOdOdi", &o_logits, &L, &E, &k, &o_out, &o_fav, &strength, &o_avail, &rho, &size))
+    if (!PyArg_ParseTuple(args, "O!O!iiOdOdi", &PyList_Type, &rows, &PyList_Type, &layers, &E, &k, &batch, &strength,
+                          &o_avail, &rho, &size))
         return NULL;
-    if (L < 1 || E < 1 || E > MAX_E || k < 1 || k > E || (o_avail != Py_None && (size < 1 || size > E))) {
-        PyErr_SetString(PyExc_ValueError, "ae_predict: sizes out of range");
+    const int L = (int)PyList_GET_SIZE(rows);
+    if (L < 1 || L > MAX_E || PyList_GET_SIZE(layers) != L || E < 1 || E > MAX_E || k < 1 || k > E ||
+        (o_avail != Py_None && (size < 1 || size > E))) {
+        PyErr_SetString(PyExc_ValueError, "ae_predict: one row per layer; E, k or size out of range");
         return NULL;
     }
-    Py_buffer b[4] = {{0}};
-    PyObject *result = NULL;
+    PyObject *result = NULL, *plain_set = NULL, *gated_set = NULL;
+    Py_buffer va = {0};
     double *x = NULL;
-    if (get_buf(o_logits, &b[0], 'f', 0, "logits") < 0 || check_len(&b[0], (Py_ssize_t)L * E * 4, "logits") < 0 ||
-        get_buf(o_out, &b[1], 'q', 1, "out") < 0 || check_len(&b[1], (Py_ssize_t)2 * L * k * 8, "out") < 0)
-        goto done;
-    if (o_fav != Py_None && (get_buf(o_fav, &b[2], 'B', 0, "favoured") < 0 || check_len(&b[2], (Py_ssize_t)L * E, "favoured") < 0))
-        goto done;
-    if (o_avail != Py_None && (get_buf(o_avail, &b[3], 'B', 0, "avail") < 0 || check_len(&b[3], (Py_ssize_t)L * E, "avail") < 0))
+    long long *picks = NULL;
+    unsigned char *fav = NULL;
+    long ids[MAX_E];
+    for (int r = 0; r < L; r++) {
+        ids[r] = PyLong_AsLong(PyList_GET_ITEM(layers, r));
+        if (ids[r] == -1 && PyErr_Occurred()) return NULL;
+    }
+    if (o_avail != Py_None && (get_buf(o_avail, &va, 'B', 0, "avail") < 0 || check_len(&va, (Py_ssize_t)L * E, "avail") < 0))
         goto done;
     x = malloc(sizeof(double) * 4 * (size_t)E + (size_t)(2 * E));
-    if (!x) {
+    picks = malloc(sizeof(long long) * ((size_t)2 * L * k + (size_t)E));
+    fav = batch != Py_None ? malloc((size_t)L * E) : NULL;
+    if (!x || !picks || (batch != Py_None && !fav)) {
         PyErr_NoMemory();
         goto done;
     }
+    if (fav && batch_mask(batch, ids, L, E, fav) < 0) goto done;
     double *s = x + E, *g = x + 2 * E, *y = x + 3 * E;
     unsigned char *taken = (unsigned char *)(x + 4 * E), *star = taken + E;
-    const float *logits = b[0].buf;
-    const unsigned char *fav = b[2].buf, *avail = b[3].buf;
-    long long *plain = b[1].buf, *gated = plain + (size_t)L * k;
-    long long pick[MAX_E];
+    const unsigned char *avail = va.buf;
+    long long *plain = picks, *gated = picks + (size_t)L * k, *pick = picks + (size_t)2 * L * k;
     for (int r = 0; r < L; r++) {
-        for (int e = 0; e < E; e++) x[e] = (double)logits[(size_t)r * E + e];
+        Py_buffer v;
+        if (get_buf(PyList_GET_ITEM(rows, r), &v, 'f', 0, "rows") < 0) goto done;
+        if (v.len < (Py_ssize_t)E * 4) {
+            PyBuffer_Release(&v);
+            PyErr_SetString(PyExc_ValueError, "ae_predict: a row holds fewer than E values");
+            goto done;
+        }
+        const float *row = v.buf;
+        for (int e = 0; e < E; e++) x[e] = (double)row[e];
+        PyBuffer_Release(&v);
         top_k(x, E, k, plain + (size_t)r * k, taken);
         if (!fav) continue;
         memcpy(s, x, sizeof(double) * (size_t)E);
@@ -87,22 +145,34 @@ static PyObject *py_ae_predict(PyObject *self, PyObject *args) {
             for (int j = 0; j < size; j++) star[pick[j]] = a[pick[j]] != 0;
         }
         double add = strength * (s[0] - s[k < E - 1 ? k : E - 1]);
-        for (int e = 0; e < E; e++) y[e] = x[e] + add * ((fav[(size_t)r * E + e] || star[e]) ? 1.0 : 0.0);
+        const unsigned char *f = fav + (size_t)r * E;
+        for (int e = 0; e < E; e++) y[e] = x[e] + add * ((f[e] || star[e]) ? 1.0 : 0.0);
         top_k(y, E, k, gated + (size_t)r * k, taken);
     }
-    Py_INCREF(Py_None);
-    result = Py_None;
+    plain_set = as_set(layers, plain, L, k);
+    if (!plain_set) goto done;
+    if (fav) {
+        gated_set = as_set(layers, gated, L, k);
+        if (!gated_set) goto done;
+    } else {
+        Py_INCREF(Py_None);
+        gated_set = Py_None;
+    }
+    result = PyTuple_Pack(2, plain_set, gated_set);
 done:
+    Py_XDECREF(plain_set);
+    Py_XDECREF(gated_set);
     free(x);
-    for (int i = 0; i < 4; i++)
-        if (b[i].obj) PyBuffer_Release(&b[i]);
+    free(picks);
+    free(fav);
+    if (va.obj) PyBuffer_Release(&va);
     return result;
 }
 
 static PyMethodDef predict_methods[] = {
     {"ae_predict", py_ae_predict, METH_VARARGS,
-     "ae_predict(logits, layers, E, k, out, favoured, strength, avail, rho, size) -> None: out[0] each row's top-k, "
-     "out[1] (favoured not None) the top-k under reuse-aware gating"},
+     "ae_predict(rows, layers, k, batch, strength, avail, rho, size) -> (plain, gated): each row's top-k as a set "
+     "of (layer, expert), and (batch not None) the top-k under reuse-aware gating"},
     {NULL, NULL, 0, NULL},
 };
 

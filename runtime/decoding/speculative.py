@@ -150,24 +150,21 @@ class SpeculativeDecoder:
         NumPy path, sharing one sort."""
         fast = getattr(getattr(self.model, "ops", None), "ae_predict", None)
         layers = list(record.layers)
-        rows = np.stack([record.layers[L].logits[0] for L in layers]) if fast and layers else None
-        if rows is None or rows.dtype != np.float32 or not 0 < self.top_k <= rows.shape[1]:
+        rows = [record.layers[L].logits for L in layers] if fast and layers else None
+        if rows is None or not isinstance(rows[0], np.ndarray) or rows[0].dtype != np.float32 \
+                or not 0 < self.top_k <= rows[0].shape[-1]:
             shared = self._logit_rows(record, 0)
             return (self._predicted_experts(record, 0, rows=shared),
                     None if batch is None else self._predicted_experts(record, 0, batch, shared))
-        s, E = self.settings, rows.shape[1]
-        favoured = avail = None
-        size = 0
-        if batch is not None and self.method.reuse_gating and s.rg_strength > 0:
-            favoured = self._batch_mask(layers, batch, rows.shape)
-            if s.rg_variant == "resident" and s.rg_residency > 0:
-                avail = self._available_rows(layers, E)
-                size = min(max(s.reuse_cap_for(self.top_k), self.top_k), E)
-        out = fast(rows, self.top_k, favoured, s.rg_strength, avail, s.rg_residency, size).tolist()
-        plain = {(L, e) for L, top in zip(layers, out[0]) for e in top}
-        if batch is None:
-            return plain, None
-        return plain, ({(L, e) for L, top in zip(layers, out[1]) for e in top} if favoured is not None else set(plain))
+        s = self.settings
+        gate = batch is not None and self.method.reuse_gating and s.rg_strength > 0
+        avail, size = None, 0
+        if gate and s.rg_variant == "resident" and s.rg_residency > 0:
+            E = rows[0].shape[-1]
+            avail = self._available_rows(layers, E)
+            size = min(max(s.reuse_cap_for(self.top_k), self.top_k), E)
+        plain, gated = fast(rows, layers, self.top_k, batch if gate else None, s.rg_strength, avail, s.rg_residency, size)
+        return plain, (gated if gate else None if batch is None else set(plain))
 
     @staticmethod
     def _batch_mask(layers: list[int], batch: set[Key], shape) -> np.ndarray:
@@ -212,9 +209,10 @@ class SpeculativeDecoder:
     def _pick(self, logits: np.ndarray, draws, position: int) -> tuple[int, float, np.ndarray | None]:
         """Draft token at ``position`` from draft logits: (token, its probability, the law standard
         verification needs, else None)."""
-        if self.params.greedy:
-            token = int(np.argmax(logits))
-            return token, float(softmax(logits.astype(np.float64))[token]), None
+        if self.params.greedy:  # softmax's value at the argmax is 1 / Σ exp(x − max): the same bits, a pass less
+            z = logits.astype(np.float64)
+            z -= z.max()
+            return int(np.argmax(logits)), float(1.0 / np.exp(z, out=z).sum()), None
         q = probabilities(logits, self.params)
         token = draws.token(q, position)
         return token, float(q[token]), None if draws.coupled else q

@@ -223,15 +223,14 @@ class CpuOps(ReferenceOps):
             return None
         return experts, weights, (total if status == 0 else None)
 
-    def ae_predict(self, rows: np.ndarray, k: int, favoured, strength: float, avail, rho: float, size: int):
-        """A draft token's expert predictions in one C call (csrc/cpu/predict.c): [2, layers, k],
-        each row's top-k of ``rows`` (float32 [layers, E] router logits), then, when ``favoured``
-        is given, its top-k under reuse-aware gating as decoding/speculative.py
-        `_predicted_experts` computes it (``avail``: the tier's mask for the "resident" E*, or
-        None). The same experts as that NumPy path (tests/test_ae_predict.py)."""
-        out = np.empty((2, rows.shape[0], k), np.int64)
-        _cpu.ae_predict(rows, rows.shape[0], rows.shape[1], k, out, favoured, strength, avail, rho, size)
-        return out
+    def ae_predict(self, rows: list, layers: list, k: int, batch, strength: float, avail, rho: float, size: int):
+        """A draft token's expert predictions in one C call (csrc/cpu/predict.c): (plain, gated),
+        sets of (layer, expert). ``rows``: each layer's float32 router logits, read from row 0;
+        plain is each row's top-k, gated (None without ``batch``) the top-k under reuse-aware
+        gating toward ``batch``, and, with ``avail`` (the tier's [layers, E] mask), toward the
+        "resident" E*, as decoding/speculative.py `_predicted_experts` computes them. The same
+        experts as that NumPy path (tests/test_ae_predict.py)."""
+        return _cpu.ae_predict(rows, layers, rows[0].shape[-1], k, batch, strength, avail, rho, size)
 
     def experts(self, x: np.ndarray, groups, act, out: np.ndarray) -> np.ndarray:
         args = [_expert_args(g[0]) for g in groups]
