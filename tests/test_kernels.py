@@ -514,3 +514,28 @@ def test_an_experts_kept_kernel_arguments_follow_its_parts(rng):
     got = ops.experts(x, group(swapped), ExpertAct(), np.zeros_like(x))
     want = ref.experts(x, group(second), ExpertAct(), np.zeros_like(x))
     assert rel_err(got, want) <= REL
+
+
+@pytest.mark.parametrize("dtype", ("Q8_0", "Q4_0"))
+def test_vnni_products_give_the_avx2_paths_bits(rng, dtype):
+    """int8 rows against int8 activations: AVX-VNNI's one-step products sum the same integers as
+    AVX2's three steps, so the outputs are the same bits, at every token count (1..4 in a register
+    block and the rest)."""
+    from s2moe import _cpu
+
+    if not (_cpu.use_simd(True) and _cpu.use_vnni(True)):
+        pytest.skip("this CPU (or compiler) has no AVX-VNNI: the AVX2 products are the only SIMD path here")
+    assert _cpu.path().endswith("+avxvnni")
+    try:
+        for N, K, T in ((96, 1024, 1), (33, 64, 2), (7, 256, 3), (64, 512, 4), (40, 1024, 5), (17, 96, 9)):
+            W = random_matrix(rng, dtype, N, K)
+            x = (rng.standard_normal((T, K)) * rng.uniform(0.1, 10)).astype(np.float32)
+            out = {}
+            for vnni in (True, False):
+                assert _cpu.use_vnni(vnni) == vnni
+                out[vnni] = np.empty((T, N), np.float32)
+                _cpu.matmul(W.data, W.type_id, N, K, x, out[vnni])
+            assert np.array_equal(out[True], out[False]), (N, K, T)
+            assert rel_err(out[True], ReferenceOps().linear(x, W)) <= REL
+    finally:
+        _cpu.use_vnni(True)

@@ -210,4 +210,13 @@ PREFETCH: list[Mutation] = [
     Mutation("greedy-draft-prob-from-mean", "runtime/decoding/speculative.py", "            z -= z.max()\n",
              "            z -= z.mean()\n", ["tests/test_ae_predict.py", "-k", "probability"],
              "a greedy draft token's probability from exp(x − mean): not softmax's bits"),
+    # -- AVX-VNNI products for int8 rows (csrc/cpu/dot.c) ----------------------------------------------
+    Mutation("vnni-product-unsigned-activations", "csrc/cpu/dot.c",
+             "#define PRODUCT_VNNI(aw, sx) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, sx)",
+             "#define PRODUCT_VNNI(aw, sx) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, _mm256_abs_epi8(sx))",
+             ["tests/test_kernels.py", "-k", "vnni"], "the VNNI products drop the activations' signs"),
+    Mutation("vnni-q4_0-rows-read-as-q8_0", "csrc/cpu/dot.c",
+             "ROWS_OF_AS(VNNI, rows_q8act_vnni_q4_0, row_q8act_vnni, T_Q4_0, const int8_t *const *)",
+             "ROWS_OF_AS(VNNI, rows_q8act_vnni_q4_0, row_q8act_vnni, T_Q8_0, const int8_t *const *)",
+             ["tests/test_kernels.py", "-k", "vnni"], "Q4_0 rows decoded as Q8_0 blocks on the VNNI path"),
 ]

@@ -250,8 +250,9 @@ INLINE_AVX2 void row_tmpl(const int TYPE, const int NB, const uint8_t *row, long
 
 /* Rows outside, tokens inside: each row is read from memory once for the whole batch. ROW is
  * row_tmpl (float tokens, their group sums) or row_q8act (int8 tokens, their scales). */
-#define ROWS_OF(NAME, ROW, TYPE, XT)                                                                \
-    AVX2 static void NAME(const uint8_t *W, size_t rb, long K, long r0, long r1, XT xs,            \
+#define ROWS_OF(NAME, ROW, TYPE, XT) ROWS_OF_AS(AVX2, NAME, ROW, TYPE, XT)
+#define ROWS_OF_AS(ATTR, NAME, ROW, TYPE, XT)                                                       \
+    ATTR static void NAME(const uint8_t *W, size_t rb, long K, long r0, long r1, XT xs,            \
                           const float *const *xsum, float *const *ys, int nb) {                     \
         for (long r = r0; r < r1; r++) {                                                            \
             const uint8_t *row = W + (size_t)r * rb;                                                \
@@ -313,28 +314,39 @@ INLINE_AVX2 __m256i load_codes(const int TYPE, const uint8_t *row, long g, float
     return _mm256_sub_epi8(w, _mm256_set1_epi8(8));
 }
 
-/* One row against NB (1..4) int8 tokens: per group, |w| · (x with w's sign) in 16-bit pairs
- * (at most 2 · 128 · 127: no saturation), summed to eight int32, then one FMA with d_w · d_x. */
-INLINE_AVX2 void row_q8act(const int TYPE, const int NB, const uint8_t *row, long K, const int8_t *const *qs,
-                           const float *const *ds, float *const *ys, long r) {
-    const long G = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 a[4];
-    for (int t = 0; t < NB; t++) a[t] = _mm256_setzero_ps();
-    for (long g = 0; g < G; g++) {
-        float dw;
-        const __m256i w = load_codes(TYPE, row, g, &dw), aw = _mm256_sign_epi8(w, w);
-        for (int t = 0; t < NB; t++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(qs[t] + 32 * g));
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
-            a[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ds[t][g]), _mm256_cvtepi32_ps(p), a[t]);
-        }
+/* One row against NB (1..4) int8 tokens: per group, |w| · (x with w's sign) summed to eight int32
+ * (PRODUCT: AVX2 in 16-bit pairs, at most 2 · 128 · 127, no saturation, then pairs of pairs; VNNI
+ * in one step, the same integers), then one FMA with d_w · d_x. Both give the same bits. */
+#define ROW_Q8ACT(NAME, ATTR, PRODUCT)                                                                   \
+    ATTR void NAME(const int TYPE, const int NB, const uint8_t *row, long K, const int8_t *const *qs,    \
+                   const float *const *ds, float *const *ys, long r) {                                   \
+        const long G = K / 32;                                                                           \
+        const __m256i ones = _mm256_set1_epi16(1);                                                       \
+        (void)ones;                                                                                      \
+        __m256 a[4];                                                                                     \
+        for (int t = 0; t < NB; t++) a[t] = _mm256_setzero_ps();                                         \
+        for (long g = 0; g < G; g++) {                                                                   \
+            float dw;                                                                                    \
+            const __m256i w = load_codes(TYPE, row, g, &dw), aw = _mm256_sign_epi8(w, w);                \
+            for (int t = 0; t < NB; t++) {                                                               \
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(qs[t] + 32 * g));                 \
+                const __m256i p = PRODUCT(aw, _mm256_sign_epi8(x, w));                                   \
+                a[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ds[t][g]), _mm256_cvtepi32_ps(p), a[t]);      \
+            }                                                                                            \
+        }                                                                                                \
+        for (int t = 0; t < NB; t++) ys[t][r] = hsum(a[t]);                                              \
     }
-    for (int t = 0; t < NB; t++) ys[t][r] = hsum(a[t]);
-}
-
+#define PRODUCT_AVX2(aw, sx) _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones)
+ROW_Q8ACT(row_q8act, INLINE_AVX2, PRODUCT_AVX2)
 ROWS_OF(rows_q8act_q8_0, row_q8act, T_Q8_0, const int8_t *const *)
 ROWS_OF(rows_q8act_q4_0, row_q8act, T_Q4_0, const int8_t *const *)
+
+#ifdef HAVE_VNNI_PATH
+#define PRODUCT_VNNI(aw, sx) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, sx)
+ROW_Q8ACT(row_q8act_vnni, INLINE_VNNI, PRODUCT_VNNI)
+ROWS_OF_AS(VNNI, rows_q8act_vnni_q8_0, row_q8act_vnni, T_Q8_0, const int8_t *const *)
+ROWS_OF_AS(VNNI, rows_q8act_vnni_q4_0, row_q8act_vnni, T_Q4_0, const int8_t *const *)
+#endif
 
 /* Σ x over each group of 32, per token (the bias term of Q4_0 / Q4_K). */
 AVX2 static void group_sums(const float *x, long G, float *out) {
@@ -375,6 +387,7 @@ static void rows_dot_avx2(int type, const uint8_t *W, size_t rb, long K, long r0
 /* ------------------------------------------------------------------------------------------ */
 
 static int use_avx2 = -1; /* -1: not decided yet */
+static int use_vnni;      /* the int8 rows' VNNI products (with use_avx2 only) */
 
 int dot_use_simd(int want) {
 #ifdef HAVE_AVX2_PATH
@@ -385,7 +398,19 @@ int dot_use_simd(int want) {
     (void)want;
     use_avx2 = 0;
 #endif
+    dot_use_vnni(1);
     return use_avx2;
+}
+
+int dot_use_vnni(int want) {
+    if (use_avx2 < 0) dot_use_simd(1);
+#ifdef HAVE_VNNI_PATH
+    use_vnni = want && use_avx2 && __builtin_cpu_supports("avxvnni");
+#else
+    (void)want;
+    use_vnni = 0;
+#endif
+    return use_vnni;
 }
 
 int dot_simd(void) {
@@ -395,7 +420,7 @@ int dot_simd(void) {
 
 const char *dot_path(void) {
     if (use_avx2 < 0) dot_use_simd(1);
-    return use_avx2 ? "avx2+fma+f16c" : "portable";
+    return !use_avx2 ? "portable" : use_vnni ? "avx2+fma+f16c+avxvnni" : "avx2+fma+f16c";
 }
 
 /* Q8_0 / Q4_0 rows against int8 activations: each call quantises its tokens once (a call is one
@@ -415,6 +440,15 @@ static void rows_dot_q8act(int type, const uint8_t *W, size_t rb, long K, long r
 #ifdef HAVE_AVX2_PATH
     if (use_avx2) {
         for (int t = 0; t < nb; t++) quant_act_avx2(xs[t], K, (int8_t *)qs[t], (float *)ds[t]);
+#ifdef HAVE_VNNI_PATH
+        if (use_vnni) {
+            if (type == T_Q8_0)
+                rows_q8act_vnni_q8_0(W, rb, K, r0, r1, qs, ds, ys, nb);
+            else
+                rows_q8act_vnni_q4_0(W, rb, K, r0, r1, qs, ds, ys, nb);
+            goto done;
+        }
+#endif
         if (type == T_Q8_0)
             rows_q8act_q8_0(W, rb, K, r0, r1, qs, ds, ys, nb);
         else

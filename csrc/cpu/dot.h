@@ -10,6 +10,9 @@ void rows_dot(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, c
               float *const *ys, int nb);
 /* Use the SIMD path if `want` and the CPU has it; returns whether it is used. */
 int dot_use_simd(int want);
+/* Whether Q8_0 / Q4_0 rows against int8 activations take AVX-VNNI products (the same bits as AVX2);
+ * want=0 keeps AVX2 (tests). Returns the choice: off without the SIMD path or the instructions. */
+int dot_use_vnni(int want);
 /* Whether the SIMD path is in use (attend.c follows the same switch). */
 int dot_simd(void);
 /* Q8_0 / Q4_0 rows against int8-quantised activations (1, the default) or float ones (0); -1 asks. */

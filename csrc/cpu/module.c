@@ -363,6 +363,13 @@ static PyObject *py_use_simd(PyObject *self, PyObject *args) {
     return PyBool_FromLong(dot_use_simd(want));
 }
 
+static PyObject *py_use_vnni(PyObject *self, PyObject *args) {
+    (void)self;
+    int want;
+    if (!PyArg_ParseTuple(args, "p", &want)) return NULL;
+    return PyBool_FromLong(dot_use_vnni(want));
+}
+
 static PyObject *py_act_q8(PyObject *self, PyObject *args) {
     int on = -1;
     if (!PyArg_ParseTuple(args, "|i", &on)) return NULL;
@@ -392,6 +399,7 @@ static PyMethodDef methods[] = {
     {"pool_min_work", py_pool_min_work, METH_VARARGS, "pool_min_work([n]) -> multiply-adds below which a job runs on the caller"},
     {"hold_workers", py_hold_workers, METH_VARARGS, "hold_workers(on): tests; workers wait before joining a job while on"},
     {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},
+    {"use_vnni", py_use_vnni, METH_VARARGS, "use_vnni(want) -> whether int8 rows take AVX-VNNI products (same bits)"},
     {"act_q8", py_act_q8, METH_VARARGS, "act_q8([on]) -> whether Q8_0 / Q4_0 rows meet int8 activations (the default)"},
     {"path", py_path, METH_NOARGS, "the code path in use: avx2+fma+f16c or portable"},
     {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(type, K): bytes of one stored row (0: not whole blocks)"},

@@ -9,6 +9,15 @@
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE_AVX2 static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
+/* AVX-VNNI (Alder Lake, Sapphire Rapids and later): one instruction for the int8 products of the
+ * Q8_0 / Q4_0 rows against int8 activations (dot.c), where AVX2 takes three. GCC 11 and clang 16
+ * (and its run-time check) first know it; older compilers build the AVX2 path alone. */
+#if (defined(__clang__) && __clang_major__ >= 16) || (!defined(__clang__) && __GNUC__ >= 11)
+#define HAVE_VNNI_PATH 1
+#define VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define INLINE_VNNI static inline __attribute__((always_inline, target("avx2,fma,f16c,avxvnni")))
+#endif
+
 INLINE_AVX2 float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
