@@ -25,16 +25,19 @@ def engine():
     return e
 
 
-def _record(rows: np.ndarray, layers) -> RoutingRecord:
+def _record(rows: np.ndarray, layers, before: np.ndarray | None = None) -> RoutingRecord:
+    """A pass's routing record whose last token's logits are ``rows`` [layers, E], after the
+    tokens ``before`` [T - 1, layers, E] (a draft root's feed)."""
     rec = RoutingRecord()
-    for L, row in zip(layers, rows):
-        rec.layers[L] = LayerRouting(row[None, :].astype(np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
+    for i, (L, row) in enumerate(zip(layers, rows)):
+        logits = row[None, :] if before is None else np.concatenate([before[:, i], row[None, :]])
+        rec.layers[L] = LayerRouting(logits.astype(np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
     return rec
 
 
-def _numpy_path(dec, rec, batch):
-    shared = dec._logit_rows(rec, 0)
-    return dec._predicted_experts(rec, 0, rows=shared), None if batch is None else dec._predicted_experts(rec, 0, batch, shared)
+def _numpy_path(dec, rec, batch, t=0):
+    shared = dec._logit_rows(rec, t)
+    return dec._predicted_experts(rec, t, rows=shared), None if batch is None else dec._predicted_experts(rec, t, batch, shared)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the NumPy path on a row holding -inf
@@ -62,8 +65,10 @@ def test_one_call_predicts_what_the_numpy_path_predicts(engine):
         dec._available_rows = lambda ls, n, a=avail: a.copy()  # the tier, as both paths ask for it
         batch = None if trial % 5 == 0 else {(int(rng.choice(layers + [9])), int(rng.integers(E)))
                                               for _ in range(int(rng.integers(0, 30)))}
-        got = dec._predictions(_record(rows, layers), batch)
-        assert got == _numpy_path(dec, _record(rows, layers), batch), trial
+        before = rng.standard_normal((trial % 3, len(layers), E)) if trial % 3 else None  # a root's feed: its last token
+        rec, t = _record(rows, layers, before), trial % 3
+        got = dec._predictions(rec, batch, t)
+        assert got == _numpy_path(dec, rec, batch, t), trial
         cases += got[1] is not None and got[1] != got[0]
     assert cases > 100  # gating moved the prediction in many of them
 

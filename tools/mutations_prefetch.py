@@ -219,4 +219,8 @@ PREFETCH: list[Mutation] = [
              "ROWS_OF_AS(VNNI, rows_q8act_vnni_q4_0, row_q8act_vnni, T_Q4_0, const int8_t *const *)",
              "ROWS_OF_AS(VNNI, rows_q8act_vnni_q4_0, row_q8act_vnni, T_Q8_0, const int8_t *const *)",
              ["tests/test_kernels.py", "-k", "vnni"], "Q4_0 rows decoded as Q8_0 blocks on the VNNI path"),
+    Mutation("ae-predict-root-reads-first-token", "runtime/decoding/speculative.py",
+             "            rows = [record.layers[L].logits[t] if t else record.layers[L].logits for L in layers]",
+             "            rows = [record.layers[L].logits for L in layers]", ["tests/test_ae_predict.py", "-k", "numpy_path"],
+             "a draft root's predictions read its feed's first token, not its last"),
 ]

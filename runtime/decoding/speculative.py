@@ -143,19 +143,22 @@ class SpeculativeDecoder:
             rows = rows + self.settings.rg_strength * gap[:, None] * favoured
         return {(L, e) for L, top in zip(layers, top_k_indices(rows, self.top_k).tolist()) for e in top}
 
-    def _predictions(self, record: RoutingRecord, batch: set[Key] | None) -> tuple[set[Key], set[Key] | None]:
-        """A draft pass's two predictions for its token (row 0): `_predicted_experts` without and,
-        if ``batch`` is given, with the batch (what it prefetches, what AE prices). One C call where
+    def _predictions(self, record: RoutingRecord, batch: set[Key] | None,
+                     t: int = 0) -> tuple[set[Key], set[Key] | None]:
+        """A draft pass's two predictions for its token t: `_predicted_experts` without and, if
+        ``batch`` is given, with the batch (what it prefetches, what AE prices). One C call where
         the kernels have it (`CpuOps.ae_predict`: about 40 NumPy calls a pass otherwise), else the
         NumPy path, sharing one sort."""
         fast = getattr(getattr(self.model, "ops", None), "ae_predict", None)
         layers = list(record.layers)
-        rows = [record.layers[L].logits for L in layers] if fast and layers else None
+        rows = None
+        if fast and layers:  # row t of each layer's logits (the C call reads a buffer's first E values)
+            rows = [record.layers[L].logits[t] if t else record.layers[L].logits for L in layers]
         if rows is None or not isinstance(rows[0], np.ndarray) or rows[0].dtype != np.float32 \
                 or not 0 < self.top_k <= rows[0].shape[-1]:
-            shared = self._logit_rows(record, 0)
-            return (self._predicted_experts(record, 0, rows=shared),
-                    None if batch is None else self._predicted_experts(record, 0, batch, shared))
+            shared = self._logit_rows(record, t)
+            return (self._predicted_experts(record, t, rows=shared),
+                    None if batch is None else self._predicted_experts(record, t, batch, shared))
         s = self.settings
         gate = batch is not None and self.method.reuse_gating and s.rg_strength > 0
         avail, size = None, 0
@@ -263,7 +266,7 @@ class SpeculativeDecoder:
         Returns the draft logits after the root and the root's predicted experts (S's start)."""
         logits, rec = self.model.forward(feed, kv, policy=self.draft_policy, logits="last", head=self.draft_head)
         self.metrics.draft_passes += 1
-        predicted = self._predicted_experts(rec, len(feed) - 1)
+        predicted = self._predictions(rec, None, len(feed) - 1)[0]
         self._prefetch(predicted)
         return logits[-1], predicted
 
