@@ -24,10 +24,33 @@ class OptionalBuildExt(build_ext):
             print(f"warning: the s2moe CPU kernels were not built ({exc}); s2moe will use NumPy", file=sys.stderr)
 
     def build_extension(self, ext):
+        if not self._assembles_vnni():  # the compiler knows AVX-VNNI but the assembler may not (binutils < 2.36)
+            ext.define_macros.append(("S2MOE_NO_VNNI", "1"))
         try:
             super().build_extension(ext)
         except Exception as exc:
             print(f"warning: building {ext.name} failed ({exc}); s2moe will use NumPy", file=sys.stderr)
+
+
+    def _assembles_vnni(self) -> bool:
+        """Whether this toolchain builds an AVX-VNNI instruction (csrc/cpu/simd.h uses it where so)."""
+        import tempfile
+
+        probe = (
+            "#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 16) || "
+            "(!defined(__clang__) && __GNUC__ >= 11))\n#include <immintrin.h>\n"
+            '__attribute__((target("avx2,avxvnni"))) __m256i s2moe_probe(__m256i a, __m256i b) '
+            "{ return _mm256_dpbusd_avx_epi32(a, a, b); }\n#endif\nint s2moe_probe_unused;\n"
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "vnni_probe.c")
+            with open(path, "w") as f:
+                f.write(probe)
+            try:
+                self.compiler.compile([path], output_dir=tmp, extra_postargs=["-O2"])
+                return True
+            except Exception:
+                return False
 
 
 setup(

@@ -25,13 +25,14 @@ def engine():
     return e
 
 
-def _record(rows: np.ndarray, layers, before: np.ndarray | None = None) -> RoutingRecord:
-    """A pass's routing record whose last token's logits are ``rows`` [layers, E], after the
-    tokens ``before`` [T - 1, layers, E] (a draft root's feed)."""
+def _record(rows: np.ndarray, layers, before: np.ndarray | None = None, after: np.ndarray | None = None) -> RoutingRecord:
+    """A pass's routing record whose token t has the logits ``rows`` [layers, E], with the tokens
+    ``before`` and ``after`` [n, layers, E] around it (a draft root's feed)."""
     rec = RoutingRecord()
     for i, (L, row) in enumerate(zip(layers, rows)):
-        logits = row[None, :] if before is None else np.concatenate([before[:, i], row[None, :]])
-        rec.layers[L] = LayerRouting(logits.astype(np.float32), np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
+        parts = [p[:, i] for p in (before,) if p is not None] + [row[None, :]] + [p[:, i] for p in (after,) if p is not None]
+        rec.layers[L] = LayerRouting(np.concatenate(parts).astype(np.float32), np.zeros((1, 1), np.int64),
+                                     np.ones((1, 1), np.float32))
     return rec
 
 
@@ -61,16 +62,37 @@ def test_one_call_predicts_what_the_numpy_path_predicts(engine):
             rows = (rng.standard_normal((len(layers), E)) * rng.uniform(0.1, 5)).astype(np.float32)
         if trial % 9 == 0:  # -inf scores, up to all but one: NaN in the gated and E* rows, ranked last on both paths
             rows[0, rng.permutation(E)[:int(rng.integers(1, E))]] = -np.inf
+        if trial % 9 == 3:  # all but 1-3: the (k+1)-th score is -inf, so the raise is inf and unfavoured rows NaN
+            rows[0, rng.permutation(E)[:E - 1 - trial % 3]] = -np.inf
         avail = rng.random((len(layers), E)) < rng.random()
         dec._available_rows = lambda ls, n, a=avail: a.copy()  # the tier, as both paths ask for it
         batch = None if trial % 5 == 0 else {(int(rng.choice(layers + [9])), int(rng.integers(E)))
                                               for _ in range(int(rng.integers(0, 30)))}
-        before = rng.standard_normal((trial % 3, len(layers), E)) if trial % 3 else None  # a root's feed: its last token
-        rec, t = _record(rows, layers, before), trial % 3
+        t = trial % 3  # the token's row: after t others (a root's feed), or first of two (t = 0)
+        before = rng.standard_normal((t, len(layers), E)) if t else None
+        after = rng.standard_normal((1, len(layers), E)) if trial % 6 == 3 else None
+        rec = _record(rows, layers, before, after)
         got = dec._predictions(rec, batch, t)
         assert got == _numpy_path(dec, rec, batch, t), trial
         cases += got[1] is not None and got[1] != got[0]
     assert cases > 100  # gating moved the prediction in many of them
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+def test_one_call_matches_numpy_where_rows_are_many(engine):
+    """40 layers of 160 experts: past 4096 scores the NumPy path's top-k partitions, then repairs
+    ties (and NaN, from -inf logits) to the lower id; the one call must agree."""
+    rng = np.random.default_rng(9)
+    dec = SpeculativeDecoder(engine.model, get_method("s2moe"), SpecSettings(rg_residency=0.25), COSTS)
+    layers, E = list(range(40)), 160
+    for trial in range(30):
+        rows = rng.integers(-3, 4, (40, E)).astype(np.float32) if trial % 2 else rng.standard_normal((40, E)).astype(np.float32)
+        rows[rng.random(rows.shape) < 0.2 * (trial % 3)] = -np.inf
+        avail = rng.random((40, E)) < 0.3
+        dec._available_rows = lambda ls, n, a=avail: a.copy()
+        batch = {(int(rng.integers(40)), int(rng.integers(E))) for _ in range(60)}
+        rec = _record(rows, layers)
+        assert dec._predictions(rec, batch) == _numpy_path(dec, rec, batch), trial
 
 
 def test_the_one_call_is_taken_and_refuses_what_it_cannot_read(engine, monkeypatch):
@@ -84,15 +106,33 @@ def test_the_one_call_is_taken_and_refuses_what_it_cannot_read(engine, monkeypat
     from s2moe import _cpu
     good = ([rows[i] for i in range(4)], [0, 1, 2, 3], 32, 4, {(0, 1)}, 1.0, None, 0.0, 0)
     assert _cpu.ae_predict(*good)[1] is not None
-    for at, bad in [(1, [0, 1, 2]), (2, 33), (3, 33), (3, 0), (0, [rows[0], rows[1][:16], rows[2], rows[3]]),
-                    (0, [r.astype(np.float64) for r in rows]), (4, {(0, 32)}), (4, {(0, -1)}), (4, {"x"}),
-                    (4, {(0, 1, 2)}), (6, np.zeros(5, bool)), (1, ["a", 1, 2, 3])]:
+    for at, bad in [(1, [0, 1, 2]), (2, 0), (2, 5000), (3, 33), (3, 0), (4, {(0, 32)}), (4, {(0, -1)}), (4, {"x"}),
+                    (4, {(0, "x")}), (4, {(0, 1, 2)}), (6, np.zeros(5, bool)), (1, ["a", 1, 2, 3])]:
         args = list(good)
         args[at] = bad
         if at == 6:
             args[8] = 4
         with pytest.raises((ValueError, TypeError)):  # TypeError: a layer id that is not an int
             _cpu.ae_predict(*args)
+    assert _cpu.ae_predict(*good[:4], {(-3, 99), (9, -1)}, *good[5:])[1] is not None  # other layers' keys: left out
+    class Unhashable:  # a layer id that reads as an int but cannot be a set's member: found as the sets are built
+        __hash__ = None
+
+        def __index__(self):
+            return 0
+
+    with pytest.raises(TypeError):
+        _cpu.ae_predict([rows[0]], [Unhashable()], 32, 4, None, 1.0, None, 0.0, 0)
+    # rows it cannot read (short, float64, strided): None, and the decoder's NumPy path decides
+    for rows_bad in ([rows[0], rows[1][:16], rows[2], rows[3]], [r.astype(np.float64) for r in rows],
+                     [np.asfortranarray(np.tile(r, (2, 1)))[:, ::2] for r in rows]):
+        assert _cpu.ae_predict(rows_bad, *good[1:]) is None
+    assert _cpu.ae_predict(good[0], good[1], 33, *good[3:]) is None  # rows narrower than E
+    strided = _record(rows, range(4))
+    for L in range(4):
+        strided.layers[L].logits = np.repeat(strided.layers[L].logits, 2, axis=1)[:, ::2]  # same values, not contiguous
+    assert not strided.layers[0].logits.flags.c_contiguous
+    assert dec._predictions(strided, {(0, 1)}) == _numpy_path(dec, _record(rows, range(4)), {(0, 1)})
 
 
 @pytest.mark.parametrize("method", ["s2moe", "ca+ae"])

@@ -537,5 +537,10 @@ def test_vnni_products_give_the_avx2_paths_bits(rng, dtype):
                 _cpu.matmul(W.data, W.type_id, N, K, x, out[vnni])
             assert np.array_equal(out[True], out[False]), (N, K, T)
             assert rel_err(out[True], ReferenceOps().linear(x, W)) <= REL
+        _cpu.use_vnni(False)  # a test's choice outlives a switch of the SIMD path
+        _cpu.use_simd(False)
+        _cpu.use_simd(True)
+        assert not _cpu.path().endswith("+avxvnni")
     finally:
+        _cpu.use_simd(True)
         _cpu.use_vnni(True)

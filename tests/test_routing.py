@@ -16,6 +16,10 @@ def test_top_k_matches_full_sort_on_random_rows(rng, rows):
     for k in (1, 2, 4, 8, 16):
         expected = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
         assert np.array_equal(top_k_indices(scores, k), expected)
+    scores[rng.random(scores.shape) < 0.3] = np.nan  # NaN last, by id (a -inf score scaled: -inf - -inf)
+    scores[:3] = np.nan
+    for k in (1, 4, 8):
+        assert np.array_equal(top_k_indices(scores, k), np.argsort(-scores, axis=-1, kind="stable")[:, :k])
 
 
 @pytest.mark.parametrize("kind,norm", [("softmax_topk", False), ("softmax_topk", True), ("topk_softmax", True)])

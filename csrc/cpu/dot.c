@@ -388,6 +388,7 @@ static void rows_dot_avx2(int type, const uint8_t *W, size_t rb, long K, long r0
 
 static int use_avx2 = -1; /* -1: not decided yet */
 static int use_vnni;      /* the int8 rows' VNNI products (with use_avx2 only) */
+static int want_vnni = 1; /* what `dot_use_vnni` last asked for: kept when the SIMD path is switched */
 
 int dot_use_simd(int want) {
 #ifdef HAVE_AVX2_PATH
@@ -398,11 +399,12 @@ int dot_use_simd(int want) {
     (void)want;
     use_avx2 = 0;
 #endif
-    dot_use_vnni(1);
+    dot_use_vnni(want_vnni);
     return use_avx2;
 }
 
 int dot_use_vnni(int want) {
+    want_vnni = want;
     if (use_avx2 < 0) dot_use_simd(1);
 #ifdef HAVE_VNNI_PATH
     use_vnni = want && use_avx2 && __builtin_cpu_supports("avxvnni");

@@ -39,7 +39,7 @@ static int descending(const void *pa, const void *pb) {
 static PyObject *as_set(PyObject *layers, const long long *picks, int L, int k) {
     PyObject *set = PySet_New(NULL);
     for (int r = 0; set && r < L; r++)
-        for (int j = 0; j < k; j++) {
+        for (int j = 0; set && j < k; j++) {
             PyObject *e = PyLong_FromLongLong(picks[(size_t)r * k + j]);
             PyObject *key = e ? PyTuple_Pack(2, PyList_GET_ITEM(layers, r), e) : NULL;
             Py_XDECREF(e);
@@ -56,14 +56,13 @@ static int batch_mask(PyObject *batch, const long *ids, int L, int E, unsigned c
     if (!it) return -1;
     while ((item = PyIter_Next(it))) {
         long layer = -1, e = -1;
-        if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2) {
-            layer = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
-            e = PyLong_AsLong(PyTuple_GET_ITEM(item, 1));
-        }
+        int ok = PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 2;
+        if (ok) layer = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+        if (ok && !PyErr_Occurred()) e = PyLong_AsLong(PyTuple_GET_ITEM(item, 1));
         Py_DECREF(item);
         int mine = 0; /* a key of another layer is left out, whatever its expert (as the NumPy path does) */
         for (int r = 0; r < L; r++) mine |= ids[r] == layer;
-        if (PyErr_Occurred() || layer < 0 || (mine && (e < 0 || e >= E))) {
+        if (!ok || PyErr_Occurred() || (mine && (e < 0 || e >= E))) {
             PyErr_Clear();
             PyErr_SetString(PyExc_ValueError, "ae_predict: the batch holds a key that is not (layer, expert)");
             Py_DECREF(it);
@@ -76,9 +75,9 @@ static int batch_mask(PyObject *batch, const long *ids, int L, int E, unsigned c
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* ae_predict(rows, layers, E, k, batch, strength, avail, rho, size) -> (plain, gated): rows a list of
- * float32 router-logit arrays, one per entry of `layers` (a list of layer ids), each read from its
- * first E values (a record's row 0). plain: each row's top-k as a set of (layer, expert); gated (None
+/* ae_predict(rows, layers, E, k, batch, strength, avail, rho, size) -> (plain, gated), or None where a
+ * row is not a C-contiguous float32 buffer of at least E values: rows a list of float32 router-logit
+ * arrays, one per entry of `layers` (a list of layer ids), each read from its first E values. plain: each row's top-k as a set of (layer, expert); gated (None
  * when batch is None): the top-k of each row raised by strength × (top-1 − (k+1)-th) where the batch
  * (a set of (layer, expert)) holds the expert, or where avail (uint8 [L, E], or None) marks it and
  * it is in the top `size` of the row scaled to [0, 1] plus rho where available ("resident" reuse
@@ -122,11 +121,12 @@ static PyObject *py_ae_predict(PyObject *self, PyObject *args) {
     const unsigned char *avail = va.buf;
     long long *plain = picks, *gated = picks + (size_t)L * k, *pick = picks + (size_t)2 * L * k;
     for (int r = 0; r < L; r++) {
-        Py_buffer v;
-        if (get_buf(PyList_GET_ITEM(rows, r), &v, 'f', 0, "rows") < 0) goto done;
-        if (v.len < (Py_ssize_t)E * 4) {
-            PyBuffer_Release(&v);
-            PyErr_SetString(PyExc_ValueError, "ae_predict: a row holds fewer than E values");
+        Py_buffer v = {0};
+        if (get_buf(PyList_GET_ITEM(rows, r), &v, 'f', 0, "rows") < 0 || v.len < (Py_ssize_t)E * 4) {
+            if (v.obj) PyBuffer_Release(&v);
+            PyErr_Clear(); /* not a C-contiguous float32 row of E values: the NumPy path decides */
+            Py_INCREF(Py_None);
+            result = Py_None;
             goto done;
         }
         const float *row = v.buf;
@@ -171,8 +171,8 @@ done:
 
 static PyMethodDef predict_methods[] = {
     {"ae_predict", py_ae_predict, METH_VARARGS,
-     "ae_predict(rows, layers, k, batch, strength, avail, rho, size) -> (plain, gated): each row's top-k as a set "
-     "of (layer, expert), and (batch not None) the top-k under reuse-aware gating"},
+     "ae_predict(rows, layers, E, k, batch, strength, avail, rho, size) -> (plain, gated): each row's top-k as a "
+     "set of (layer, expert), and (batch not None) the top-k under reuse-aware gating; None for rows it cannot read"},
     {NULL, NULL, 0, NULL},
 };
 

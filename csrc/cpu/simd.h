@@ -11,8 +11,9 @@
 
 /* AVX-VNNI (Alder Lake, Sapphire Rapids and later): one instruction for the int8 products of the
  * Q8_0 / Q4_0 rows against int8 activations (dot.c), where AVX2 takes three. GCC 11 and clang 16
- * (and its run-time check) first know it; older compilers build the AVX2 path alone. */
-#if (defined(__clang__) && __clang_major__ >= 16) || (!defined(__clang__) && __GNUC__ >= 11)
+ * (and its run-time check) first know it; older compilers build the AVX2 path alone, and so does a
+ * toolchain whose assembler cannot emit it (setup.py probes and defines S2MOE_NO_VNNI). */
+#if ((defined(__clang__) && __clang_major__ >= 16) || (!defined(__clang__) && __GNUC__ >= 11)) && !defined(S2MOE_NO_VNNI)
 #define HAVE_VNNI_PATH 1
 #define VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define INLINE_VNNI static inline __attribute__((always_inline, target("avx2,fma,f16c,avxvnni")))

@@ -151,23 +151,23 @@ class SpeculativeDecoder:
         NumPy path, sharing one sort."""
         fast = getattr(getattr(self.model, "ops", None), "ae_predict", None)
         layers = list(record.layers)
-        rows = None
-        if fast and layers:  # row t of each layer's logits (the C call reads a buffer's first E values)
+        if fast and layers and isinstance(record.layers[layers[0]].logits, np.ndarray):
+            # row t of each layer's logits (the C call reads a buffer's first E values; None: rows it cannot read)
             rows = [record.layers[L].logits[t] if t else record.layers[L].logits for L in layers]
-        if rows is None or not isinstance(rows[0], np.ndarray) or rows[0].dtype != np.float32 \
-                or not 0 < self.top_k <= rows[0].shape[-1]:
-            shared = self._logit_rows(record, t)
-            return (self._predicted_experts(record, t, rows=shared),
-                    None if batch is None else self._predicted_experts(record, t, batch, shared))
-        s = self.settings
-        gate = batch is not None and self.method.reuse_gating and s.rg_strength > 0
-        avail, size = None, 0
-        if gate and s.rg_variant == "resident" and s.rg_residency > 0:
-            E = rows[0].shape[-1]
-            avail = self._available_rows(layers, E)
-            size = min(max(s.reuse_cap_for(self.top_k), self.top_k), E)
-        plain, gated = fast(rows, layers, self.top_k, batch if gate else None, s.rg_strength, avail, s.rg_residency, size)
-        return plain, (gated if gate else None if batch is None else set(plain))
+            s, E = self.settings, rows[0].shape[-1]
+            gate = batch is not None and self.method.reuse_gating and s.rg_strength > 0
+            avail, size = None, 0
+            if gate and s.rg_variant == "resident" and s.rg_residency > 0:
+                avail = self._available_rows(layers, E)
+                size = min(max(s.reuse_cap_for(self.top_k), self.top_k), E)
+            got = fast(rows, layers, self.top_k, batch if gate else None, s.rg_strength, avail, s.rg_residency,
+                       size) if 0 < self.top_k <= E else None
+            if got is not None:
+                plain, gated = got
+                return plain, (gated if gate else None if batch is None else set(plain))
+        shared = self._logit_rows(record, t)
+        return (self._predicted_experts(record, t, rows=shared),
+                None if batch is None else self._predicted_experts(record, t, batch, shared))
 
     @staticmethod
     def _batch_mask(layers: list[int], batch: set[Key], shape) -> np.ndarray:

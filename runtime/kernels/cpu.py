@@ -229,7 +229,8 @@ class CpuOps(ReferenceOps):
         plain is each row's top-k, gated (None without ``batch``) the top-k under reuse-aware
         gating toward ``batch``, and, with ``avail`` (the tier's [layers, E] mask), toward the
         "resident" E*, as decoding/speculative.py `_predicted_experts` computes them. The same
-        experts as that NumPy path (tests/test_ae_predict.py)."""
+        experts as that NumPy path (tests/test_ae_predict.py). None where a row is not a
+        C-contiguous float32 buffer of E values: the caller's NumPy path decides."""
         return _cpu.ae_predict(rows, layers, rows[0].shape[-1], k, batch, strength, avail, rho, size)
 
     def experts(self, x: np.ndarray, groups, act, out: np.ndarray) -> np.ndarray:

@@ -104,11 +104,13 @@ def top_k_indices(scores: np.ndarray, k: int) -> np.ndarray:
     part = np.argpartition(-scores, k - 1, axis=-1)[:, :k]
     # argpartition does not order ties by id; re-rank the candidates, then make sure no tied
     # outsider with a lower id was left out (rare: fall back to a full stable sort for those rows).
+    # NaN never equals the k-th score, so rows holding one take the full sort too (NaN last, by id).
     cand = np.take_along_axis(scores, part, -1)
     order = np.lexsort((part, -cand), axis=-1)
     chosen = np.take_along_axis(part, order, -1)
     kth = np.take_along_axis(scores, chosen[:, -1:], -1)
-    ties_outside = ((scores == kth).sum(-1) != (np.take_along_axis(scores, chosen, -1) == kth).sum(-1))
+    ties_outside = ((scores == kth).sum(-1) != (np.take_along_axis(scores, chosen, -1) == kth).sum(-1)) \
+        | np.isnan(scores).any(-1)
     if ties_outside.any():
         rows = np.nonzero(ties_outside)[0]
         chosen[rows] = np.argsort(-scores[rows], axis=-1, kind="stable")[:, :k]
