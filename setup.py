@@ -31,7 +31,6 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:
             print(f"warning: building {ext.name} failed ({exc}); s2moe will use NumPy", file=sys.stderr)
 
-
     def _assembles_vnni(self) -> bool:
         """Whether this toolchain builds an AVX-VNNI instruction (csrc/cpu/simd.h uses it where so)."""
         import tempfile

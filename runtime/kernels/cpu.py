@@ -225,7 +225,8 @@ class CpuOps(ReferenceOps):
 
     def ae_predict(self, rows: list, layers: list, k: int, batch, strength: float, avail, rho: float, size: int):
         """A draft token's expert predictions in one C call (csrc/cpu/predict.c): (plain, gated),
-        sets of (layer, expert). ``rows``: each layer's float32 router logits, read from row 0;
+        sets of (layer, expert). ``rows``: each layer's float32 router logits of the token, read
+        from their first E values;
         plain is each row's top-k, gated (None without ``batch``) the top-k under reuse-aware
         gating toward ``batch``, and, with ``avail`` (the tier's [layers, E] mask), toward the
         "resident" E*, as decoding/speculative.py `_predicted_experts` computes them. The same
