@@ -23,17 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
-
-
-def best_of(fn, warm: int = 10, calls: int = 60) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from benchmarks.int8_activations import best_of  # noqa: E402
 
 
 def main() -> None:

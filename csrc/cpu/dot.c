@@ -336,6 +336,8 @@ INLINE_AVX2 __m256i load_codes(const int TYPE, const uint8_t *row, long g, float
         }                                                                                                \
         for (int t = 0; t < NB; t++) ys[t][r] = hsum(a[t]);                                              \
     }
+typedef void (*q8act_rows)(const uint8_t *, size_t, long, long, long, const int8_t *const *, const float *const *,
+                           float *const *, int);
 #define PRODUCT_AVX2(aw, sx) _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones)
 ROW_Q8ACT(row_q8act, INLINE_AVX2, PRODUCT_AVX2)
 ROWS_OF(rows_q8act_q8_0, row_q8act, T_Q8_0, const int8_t *const *)
@@ -442,19 +444,11 @@ static void rows_dot_q8act(int type, const uint8_t *W, size_t rb, long K, long r
 #ifdef HAVE_AVX2_PATH
     if (use_avx2) {
         for (int t = 0; t < nb; t++) quant_act_avx2(xs[t], K, (int8_t *)qs[t], (float *)ds[t]);
+        q8act_rows rows = type == T_Q8_0 ? rows_q8act_q8_0 : rows_q8act_q4_0;
 #ifdef HAVE_VNNI_PATH
-        if (use_vnni) {
-            if (type == T_Q8_0)
-                rows_q8act_vnni_q8_0(W, rb, K, r0, r1, qs, ds, ys, nb);
-            else
-                rows_q8act_vnni_q4_0(W, rb, K, r0, r1, qs, ds, ys, nb);
-            goto done;
-        }
+        if (use_vnni) rows = type == T_Q8_0 ? rows_q8act_vnni_q8_0 : rows_q8act_vnni_q4_0;
 #endif
-        if (type == T_Q8_0)
-            rows_q8act_q8_0(W, rb, K, r0, r1, qs, ds, ys, nb);
-        else
-            rows_q8act_q4_0(W, rb, K, r0, r1, qs, ds, ys, nb);
+        rows(W, rb, K, r0, r1, qs, ds, ys, nb);
         goto done;
     }
 #endif
