@@ -4,9 +4,12 @@ greedy-decoded by llama.cpp's `llama-completion` and by `s2moe run --temperature
     python benchmarks/peer.py --build                     # once: builds llama-completion too
     python benchmarks/interop.py [--binary PATH] [--type F16] [--tokens 32]
 
-Each prompt decodes exactly --tokens tokens in both programs (EOS ignored), and the texts must be
-equal. llama-completion prints its text followed by two newlines, which are removed. Results: a
-table on stderr, JSON in docs/results/interop.json (machine, commit, prompts, both texts).
+Each prompt decodes --tokens tokens in s2moe and --tokens + SPARE in llama.cpp (EOS ignored), and
+llama.cpp's text must begin with s2moe's. On a loaded machine llama-completion printed a token more or
+less of the same generation from run to run (4 of 16 runs beside two CPU burners), so its text is
+compared up to s2moe's length, never cut at its own count. llama-completion prints its text followed
+by two newlines, which are removed. Results: a table on stderr, JSON in docs/results/interop.json
+(machine, commit, prompts, both texts).
 tests/test_interop.py runs the same comparison when S2MOE_LLAMA_CPP names the binary.
 """
 
@@ -24,6 +27,7 @@ from s2moe.runtime.records import git_commit, machine_info  # noqa: E402
 
 PROMPTS = ("def fibonacci(n):", "import os", "class Stack:", "x = a + b")
 TRAILER = "\n\n"  # llama-completion's own output after the generation
+SPARE = 8  # llama.cpp's tokens past s2moe's: its printed text may end a token early or late
 
 
 def llama_text(binary: str, gguf: str, prompt: str, tokens: int) -> str:
@@ -50,9 +54,9 @@ def compare(binary: str, gguf: str, prompts=PROMPTS, tokens: int = 32) -> list[d
     rows = []
     for prompt in prompts:
         ours, ids = s2moe_text(gguf, prompt, tokens)
-        theirs = llama_text(binary, gguf, prompt, tokens)
+        theirs = llama_text(binary, gguf, prompt, tokens + SPARE)
         rows.append({"prompt": prompt, "tokens": len(ids), "s2moe": ours, "llama.cpp": theirs,
-                     "equal": ours == theirs})
+                     "equal": len(theirs) > len(ours) and theirs.startswith(ours)})
     return rows
 
 

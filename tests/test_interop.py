@@ -143,4 +143,7 @@ def test_llama_cpp_decodes_the_default_model_as_we_do(tmp_path):
     export(gguf, "F16")
     rows = compare(LLAMA_CPP, gguf, tokens=32)
     assert all(r["tokens"] == 32 for r in rows)
-    assert [r["llama.cpp"] for r in rows] == [r["s2moe"] for r in rows]
+    # llama.cpp decodes 8 tokens more (its printed text may end a token early or late under load):
+    # ours must be its beginning, all 32 tokens of it
+    assert [r["llama.cpp"][:len(r["s2moe"])] for r in rows] == [r["s2moe"] for r in rows]
+    assert all(r["equal"] for r in rows)
