@@ -1,7 +1,9 @@
-"""Q8_0 / Q4_0 rows against int8 activations: AVX-VNNI products against AVX2's, taking turns in one
+"""Q8_0 / Q4_0 rows against int8 activations: VNNI products against AVX2's, taking turns in one
 process (`_cpu.use_vnni` switches them; both give the same bits, tests/test_kernels.py).
 
-    python benchmarks/vnni.py [--reps 6] [--model FILE.gguf] [--out docs/results/vnni]
+    python benchmarks/vnni.py [--reps 6] [--form 1|2] [--model FILE.gguf] [--out docs/results/vnni]
+
+``--form 2`` times AVX-512 VNNI's EVEX form (for CPUs without AVX-VNNI) instead of AVX-VNNI.
 
 Each repetition times both paths on the widened model's shapes (1024 × 1024, 512 × 1024 expert
 rows, a 6144-token head) at 1 and 4 tokens on the kernels' two threads (best of 60 calls after 10
@@ -31,14 +33,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--model", default=None, help="a Q8_0 GGUF to decode on each path")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--form", type=int, default=1, choices=(1, 2),
+                    help="1: AVX-VNNI (VEX), 2: AVX-512 VNNI on 256-bit registers (EVEX)")
     ap.add_argument("--out", default="docs/results/vnni")
     args = ap.parse_args()
 
     from s2moe import _cpu
     from s2moe.runtime.kernels.stored import StoredMatrix
 
-    if not (_cpu.use_simd(True) and _cpu.use_vnni(True)):
-        sys.exit("vnni: this CPU (or the compiler that built s2moe) has no AVX-VNNI")
+    if not (_cpu.use_simd(True) and _cpu.use_vnni(args.form) == args.form):
+        sys.exit(f"vnni: this CPU (or the build) has no {'AVX-VNNI' if args.form == 1 else 'AVX-512 VNNI'}")
     rng = np.random.default_rng(0)
     cases = []  # (label, params, fn)
     for N, K in ((1024, 1024), (512, 1024), (6144, 1024)):
@@ -70,10 +74,10 @@ def main() -> None:
     for rep in range(args.reps):
         for label, _, fn in cases:
             for vnni in ((True, False) if rep % 2 == 0 else (False, True)):
-                _cpu.use_vnni(vnni)
+                _cpu.use_vnni(args.form if vnni else 0)
                 times[label][vnni].append(fn())
         print(f"rep {rep} done", file=sys.stderr, flush=True)
-    _cpu.use_vnni(True)
+    _cpu.use_vnni(1)
     records, rows = [], []
     for label, params, _ in cases:
         v, a = times[label][True], times[label][False]
@@ -81,13 +85,13 @@ def main() -> None:
         ratio = [y / x for x, y in zip(v, a)] if not is_rate else [x / y for x, y in zip(v, a)]  # >1: VNNI faster
         unit = "tok/s" if is_rate else "us"
         scale = 1.0 if is_rate else 1e6
-        for on, name in ((True, "avxvnni"), (False, "avx2")):
+        for on, name in ((True, "avxvnni" if args.form == 1 else "avx512vnni"), (False, "avx2")):
             records.append(Record("vnni", f"{label} {name}", unit, [t * scale for t in times[label][on]],
                                   params={**params, "products": name}, extra={"vnni_speedup": ratio} if on else {}))
         rows.append((label, statistics.median(a) * scale, statistics.median(v) * scale, unit, statistics.median(ratio),
                      min(ratio), max(ratio)))
-    write_outputs(records, machine_info(), args.out, "int8 rows: AVX-VNNI against AVX2 products")
-    print("| case | AVX2 | AVX-VNNI | VNNI speedup, median per round (range) |")
+    write_outputs(records, machine_info(), args.out, "int8 rows: VNNI against AVX2 products")
+    print(f"| case | AVX2 | {'AVX-VNNI' if args.form == 1 else 'AVX-512 VNNI'} | VNNI speedup, median per round (range) |")
     print("|---|---|---|---|")
     for label, a, v, unit, r, lo, hi in rows:
         print(f"| {label} | {a:.1f} {unit} | {v:.1f} {unit} | **{r:.2f}×** ({lo:.2f}–{hi:.2f}) |")

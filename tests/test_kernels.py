@@ -516,31 +516,49 @@ def test_an_experts_kept_kernel_arguments_follow_its_parts(rng):
     assert rel_err(got, want) <= REL
 
 
+@pytest.mark.parametrize("form", [1, 2], ids=["avxvnni", "avx512vnni"])
 @pytest.mark.parametrize("dtype", ("Q8_0", "Q4_0"))
-def test_vnni_products_give_the_avx2_paths_bits(rng, dtype):
-    """int8 rows against int8 activations: AVX-VNNI's one-step products sum the same integers as
-    AVX2's three steps, so the outputs are the same bits, at every token count (1..4 in a register
-    block and the rest)."""
+def test_vnni_products_give_the_avx2_paths_bits(rng, dtype, form):
+    """int8 rows against int8 activations: VNNI's one-step products (AVX-VNNI, or the EVEX form of
+    AVX-512 VNNI) sum the same integers as AVX2's three steps, so the outputs are the same bits, at
+    every token count (1..4 in a register block and the rest)."""
     from s2moe import _cpu
 
-    if not (_cpu.use_simd(True) and _cpu.use_vnni(True)):
-        pytest.skip("this CPU (or compiler) has no AVX-VNNI: the AVX2 products are the only SIMD path here")
-    assert _cpu.path().endswith("+avxvnni")
+    name = {1: "+avxvnni", 2: "+avx512vnni"}[form]
+    flags = _cpu_flags()
+    has = {1: {"avx_vnni"}, 2: {"avx512_vnni", "avx512vl"}}[form] <= flags
+    if not (_cpu.use_simd(True) and _cpu.vnni_built and (has or not flags)):
+        pytest.skip(f"this CPU or build has no {name[1:]} (built: {bool(_cpu.vnni_built)}): another SIMD path serves it")
+    chosen = _cpu.use_vnni(form)
+    if chosen != form:
+        _cpu.use_vnni(1)
+        assert not flags, f"the CPU lists {sorted(has)} but use_vnni({form}) chose {chosen}"
+        pytest.skip(f"this CPU has no {name[1:]} (no /proc/cpuinfo to say otherwise)")
+    assert _cpu.path().endswith(name)
     try:
         for N, K, T in ((96, 1024, 1), (33, 64, 2), (7, 256, 3), (64, 512, 4), (40, 1024, 5), (17, 96, 9)):
             W = random_matrix(rng, dtype, N, K)
             x = (rng.standard_normal((T, K)) * rng.uniform(0.1, 10)).astype(np.float32)
             out = {}
-            for vnni in (True, False):
+            for vnni in (form, 0):
                 assert _cpu.use_vnni(vnni) == vnni
                 out[vnni] = np.empty((T, N), np.float32)
                 _cpu.matmul(W.data, W.type_id, N, K, x, out[vnni])
-            assert np.array_equal(out[True], out[False]), (N, K, T)
-            assert rel_err(out[True], ReferenceOps().linear(x, W)) <= REL
-        _cpu.use_vnni(False)  # a test's choice outlives a switch of the SIMD path
+            assert np.array_equal(out[form], out[0]), (N, K, T)
+            assert rel_err(out[form], ReferenceOps().linear(x, W)) <= REL
+        _cpu.use_vnni(0)  # a test's choice outlives a switch of the SIMD path
         _cpu.use_simd(False)
         _cpu.use_simd(True)
-        assert not _cpu.path().endswith("+avxvnni")
+        assert not _cpu.path().endswith("vnni")
     finally:
         _cpu.use_simd(True)
-        _cpu.use_vnni(True)
+        _cpu.use_vnni(1)
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()

@@ -235,4 +235,11 @@ PREFETCH: list[Mutation] = [
     Mutation("vnni-wish-forgotten", "csrc/cpu/dot.c", "    dot_use_vnni(want_vnni);\n    return use_avx2;",
              "    dot_use_vnni(1);\n    return use_avx2;", ["tests/test_kernels.py", "-k", "vnni"],
              "switching the SIMD path turns VNNI back on against the caller's choice"),
+    Mutation("vnni512-product-unsigned-activations", "csrc/cpu/dot.c",
+             "#define PRODUCT_VNNI512(aw, sx) _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)",
+             "#define PRODUCT_VNNI512(aw, sx) _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_abs_epi8(sx))",
+             ["tests/test_kernels.py", "-k", "vnni"], "the AVX-512 VNNI products drop the activations' signs"),
+    Mutation("vnni-never-vex", "csrc/cpu/dot.c", "    use_vnni = !use_avx2 || !want ? 0 : want == 1 && vex ? 1 : evex ? 2 : 0;",
+             "    use_vnni = !use_avx2 || !want ? 0 : want == 1 && 0 ? 1 : evex ? 2 : 0;",
+             ["tests/test_kernels.py", "-k", "vnni"], "the AVX-VNNI form is never chosen on a CPU that has it"),
 ]

@@ -348,6 +348,10 @@ ROWS_OF(rows_q8act_q4_0, row_q8act, T_Q4_0, const int8_t *const *)
 ROW_Q8ACT(row_q8act_vnni, INLINE_VNNI, PRODUCT_VNNI)
 ROWS_OF_AS(VNNI, rows_q8act_vnni_q8_0, row_q8act_vnni, T_Q8_0, const int8_t *const *)
 ROWS_OF_AS(VNNI, rows_q8act_vnni_q4_0, row_q8act_vnni, T_Q4_0, const int8_t *const *)
+#define PRODUCT_VNNI512(aw, sx) _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)
+ROW_Q8ACT(row_q8act_vnni512, INLINE_VNNI512, PRODUCT_VNNI512)
+ROWS_OF_AS(VNNI512, rows_q8act_vnni512_q8_0, row_q8act_vnni512, T_Q8_0, const int8_t *const *)
+ROWS_OF_AS(VNNI512, rows_q8act_vnni512_q4_0, row_q8act_vnni512, T_Q4_0, const int8_t *const *)
 #endif
 
 /* Σ x over each group of 32, per token (the bias term of Q4_0 / Q4_K). */
@@ -389,7 +393,7 @@ static void rows_dot_avx2(int type, const uint8_t *W, size_t rb, long K, long r0
 /* ------------------------------------------------------------------------------------------ */
 
 static int use_avx2 = -1; /* -1: not decided yet */
-static int use_vnni;      /* the int8 rows' VNNI products (with use_avx2 only) */
+static int use_vnni;      /* the int8 rows' VNNI products (with use_avx2 only): 0 none, 1 AVX-VNNI, 2 AVX-512 VNNI */
 static int want_vnni = 1; /* what `dot_use_vnni` last asked for: kept when the SIMD path is switched */
 
 int dot_use_simd(int want) {
@@ -405,11 +409,21 @@ int dot_use_simd(int want) {
     return use_avx2;
 }
 
+int dot_vnni_built(void) {
+#ifdef HAVE_VNNI_PATH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int dot_use_vnni(int want) {
     want_vnni = want;
     if (use_avx2 < 0) dot_use_simd(1);
 #ifdef HAVE_VNNI_PATH
-    use_vnni = want && use_avx2 && __builtin_cpu_supports("avxvnni");
+    int vex = __builtin_cpu_supports("avxvnni"),
+        evex = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    use_vnni = !use_avx2 || !want ? 0 : want == 1 && vex ? 1 : evex ? 2 : 0;
 #else
     (void)want;
     use_vnni = 0;
@@ -424,7 +438,7 @@ int dot_simd(void) {
 
 const char *dot_path(void) {
     if (use_avx2 < 0) dot_use_simd(1);
-    return !use_avx2 ? "portable" : use_vnni ? "avx2+fma+f16c+avxvnni" : "avx2+fma+f16c";
+    return !use_avx2 ? "portable" : use_vnni == 1 ? "avx2+fma+f16c+avxvnni" : use_vnni == 2 ? "avx2+fma+f16c+avx512vnni" : "avx2+fma+f16c";
 }
 
 /* Q8_0 / Q4_0 rows against int8 activations: each call quantises its tokens once (a call is one
@@ -446,7 +460,8 @@ static void rows_dot_q8act(int type, const uint8_t *W, size_t rb, long K, long r
         for (int t = 0; t < nb; t++) quant_act_avx2(xs[t], K, (int8_t *)qs[t], (float *)ds[t]);
         q8act_rows rows = type == T_Q8_0 ? rows_q8act_q8_0 : rows_q8act_q4_0;
 #ifdef HAVE_VNNI_PATH
-        if (use_vnni) rows = type == T_Q8_0 ? rows_q8act_vnni_q8_0 : rows_q8act_vnni_q4_0;
+        if (use_vnni == 1) rows = type == T_Q8_0 ? rows_q8act_vnni_q8_0 : rows_q8act_vnni_q4_0;
+        if (use_vnni == 2) rows = type == T_Q8_0 ? rows_q8act_vnni512_q8_0 : rows_q8act_vnni512_q4_0;
 #endif
         rows(W, rb, K, r0, r1, qs, ds, ys, nb);
         goto done;

@@ -10,9 +10,12 @@ void rows_dot(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, c
               float *const *ys, int nb);
 /* Use the SIMD path if `want` and the CPU has it; returns whether it is used. */
 int dot_use_simd(int want);
-/* Whether Q8_0 / Q4_0 rows against int8 activations take AVX-VNNI products (the same bits as AVX2);
- * want=0 keeps AVX2 (tests). Returns the choice: off without the SIMD path or the instructions. */
+/* Which VNNI products Q8_0 / Q4_0 rows against int8 activations take (the same bits as AVX2): want 0
+ * keeps AVX2, 1 the best there is (AVX-VNNI, else AVX-512 VNNI), 2 AVX-512 VNNI only (tests). Returns
+ * the choice: 0 none (no SIMD path or no such instruction), 1 AVX-VNNI, 2 AVX-512 VNNI. */
 int dot_use_vnni(int want);
+/* Whether this build holds the VNNI products (a compiler and assembler that know them). */
+int dot_vnni_built(void);
 /* Whether the SIMD path is in use (attend.c follows the same switch). */
 int dot_simd(void);
 /* Q8_0 / Q4_0 rows against int8-quantised activations (1, the default) or float ones (0); -1 asks. */

@@ -366,8 +366,8 @@ static PyObject *py_use_simd(PyObject *self, PyObject *args) {
 static PyObject *py_use_vnni(PyObject *self, PyObject *args) {
     (void)self;
     int want;
-    if (!PyArg_ParseTuple(args, "p", &want)) return NULL;
-    return PyBool_FromLong(dot_use_vnni(want));
+    if (!PyArg_ParseTuple(args, "i", &want)) return NULL;
+    return PyLong_FromLong(dot_use_vnni(want));
 }
 
 static PyObject *py_act_q8(PyObject *self, PyObject *args) {
@@ -399,7 +399,7 @@ static PyMethodDef methods[] = {
     {"pool_min_work", py_pool_min_work, METH_VARARGS, "pool_min_work([n]) -> multiply-adds below which a job runs on the caller"},
     {"hold_workers", py_hold_workers, METH_VARARGS, "hold_workers(on): tests; workers wait before joining a job while on"},
     {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},
-    {"use_vnni", py_use_vnni, METH_VARARGS, "use_vnni(want) -> whether int8 rows take AVX-VNNI products (same bits)"},
+    {"use_vnni", py_use_vnni, METH_VARARGS, "use_vnni(want: 0 off, 1 best, 2 AVX-512 only) -> the int8 rows' VNNI products: 0 none, 1 AVX-VNNI, 2 AVX-512 VNNI (same bits)"},
     {"act_q8", py_act_q8, METH_VARARGS, "act_q8([on]) -> whether Q8_0 / Q4_0 rows meet int8 activations (the default)"},
     {"path", py_path, METH_NOARGS, "the code path in use: avx2+fma+f16c or portable"},
     {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(type, K): bytes of one stored row (0: not whole blocks)"},
@@ -411,6 +411,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", "s2moe CPU ke
 
 PyMODINIT_FUNC PyInit__cpu(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && (aio_register(m) < 0 || step_register(m) < 0 || predict_register(m) < 0)) Py_CLEAR(m);
+    if (m && (aio_register(m) < 0 || step_register(m) < 0 || predict_register(m) < 0 ||
+              PyModule_AddIntConstant(m, "vnni_built", dot_vnni_built()) < 0))
+        Py_CLEAR(m);
     return m;
 }

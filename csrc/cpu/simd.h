@@ -17,6 +17,10 @@
 #define HAVE_VNNI_PATH 1
 #define VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define INLINE_VNNI static inline __attribute__((always_inline, target("avx2,fma,f16c,avxvnni")))
+/* the same instruction in its EVEX form, on 256-bit registers: AVX-512 VNNI CPUs without AVX-VNNI
+ * (Ice Lake, Cascade Lake, Zen 4) */
+#define VNNI512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define INLINE_VNNI512 static inline __attribute__((always_inline, target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #endif
 
 INLINE_AVX2 float hsum(__m256 v) {
