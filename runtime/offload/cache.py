@@ -235,17 +235,20 @@ class ExpertCache:
     def _keep(self, key: Key, weights: ExpertWeights) -> None:
         self.held[key] = weights
         self._by_layer[key[0]].add(key[1])
-        self._masks.pop(key[0], None)
-        self._tables.pop(key[0], None)
-        self._avail.clear()
+        self._residency_changed(key[0])
         self.resident_bytes += weights.nbytes
         self.policy.insert(key)
 
     def _drop(self, key: Key) -> None:
         self.resident_bytes -= self.held.pop(key).nbytes
         self._by_layer[key[0]].discard(key[1])
-        self._masks.pop(key[0], None)
-        self._tables.pop(key[0], None)
+        self._residency_changed(key[0])
+
+    def _residency_changed(self, layer: int) -> None:
+        """What is kept from residency goes when ``layer``'s changes: its resident mask, its one-call
+        table, and AE's all-layer masks (they hold every layer)."""
+        self._masks.pop(layer, None)
+        self._tables.pop(layer, None)
         self._avail.clear()
 
     def _make_room(self, key: Key, size: int, protected: set[Key], coming: bool = False) -> bool:
