@@ -17,6 +17,7 @@
 #include "pool.h"
 #include "quant.h"
 #include "predict.h"
+#include "pass.h"
 #include "step.h"
 
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
@@ -411,7 +412,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", "s2moe CPU ke
 
 PyMODINIT_FUNC PyInit__cpu(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && (aio_register(m) < 0 || step_register(m) < 0 || predict_register(m) < 0 ||
+    if (m && (aio_register(m) < 0 || step_register(m) < 0 || predict_register(m) < 0 || pass_register(m) < 0 ||
               PyModule_AddIntConstant(m, "vnni_built", dot_vnni_built()) < 0))
         Py_CLEAR(m);
     return m;

@@ -207,6 +207,18 @@ void op_rms_norm(const float *x, const float *w, long rows, long n, float eps, f
     }
 }
 
+/* y[N] = x[K] W + bias for an input-major float32 W [K, N] (the router, kept so for BLAS): the
+ * products of x[0], then x[1], … added in that order, the same bits for every caller */
+void op_router(const float *W, long N, long K, const float *x, const float *bias, float *y) {
+    for (long n = 0; n < N; n++) y[n] = 0.0f;
+    for (long k = 0; k < K; k++) {
+        const float xk = x[k], *row = W + (size_t)k * (size_t)N;
+        for (long n = 0; n < N; n++) y[n] += xk * row[n];
+    }
+    if (bias)
+        for (long n = 0; n < N; n++) y[n] += bias[n];
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* routing: top-k of each row of `select`, mixture weights from `logits` (runtime/model/routing.py) */
 

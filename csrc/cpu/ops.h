@@ -61,6 +61,9 @@ int op_attn_block(const attn_block_args *b);
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of n values (double accumulation). */
 void op_rms_norm(const float *x, const float *w, long rows, long n, float eps, float *out);
 
+/* y[N] = x[K] W (+ bias[N]) for a float32 W stored input-major [K, N], in a fixed order (see ops.c). */
+void op_router(const float *W, long N, long K, const float *x, const float *bias, float *y);
+
 /* Per row of T: the k largest of select[E] (ties: lower id first) into experts, and their mixture
  * weights from logits[E]: kind 0 softmax over all E (renormalised over the k if norm), kind 1
  * softmax over the k chosen; times scale. -1: bad k; -3: a NaN in select. */

@@ -13,12 +13,10 @@
 #include "step.h"
 
 enum { X, LOGITS, ALLOWED, EXPERTS, WEIGHTS, TOTAL, NB };
-enum { GATE, UP, DOWN, GB, UB, DB, EX_BUFS };
-#define MAX_K 64
+enum { GATE, UP, DOWN, GB, UB, DB };
 
-/* the table entry of a chosen expert: (gate, up, down, gtype, utype, dtype, gate_bias, up_bias,
- * down_bias), kernels/cpu.py `_expert_args`; its views go to v[EX_BUFS], its I to *I */
-static int parse_expert(PyObject *item, moe_expert *m, Py_buffer *v, long H, long *I) {
+/* (step.h) */
+int parse_expert(PyObject *item, moe_expert *m, Py_buffer *v, long H, long *I) {
     PyObject *o[EX_BUFS];
     if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 9 ||
         !PyArg_ParseTuple(item, "OOOiiiOOO", &o[GATE], &o[UP], &o[DOWN], &m->gtype, &m->utype, &m->dtype, &o[GB],

@@ -4,6 +4,16 @@
 
 #include <Python.h>
 
+#include "ops.h"
+
+#define MAX_K 64 /* choices per token the one-call steps take */
+enum { EX_BUFS = 6 }; /* the buffers of an expert's table entry: gate, up, down and their biases */
+
+/* The table entry of a chosen expert: (gate, up, down, gtype, utype, dtype, gate_bias, up_bias,
+ * down_bias), kernels/cpu.py `_expert_args`. Its views go to v[EX_BUFS] (the caller releases them),
+ * its rows to *I (which must match a nonzero *I). -1 with ValueError set on a bad entry. */
+int parse_expert(PyObject *item, moe_expert *m, Py_buffer *v, long H, long *I);
+
 /* Adds moe_step() to the module; -1 with an exception set on failure. */
 int step_register(PyObject *module);
 

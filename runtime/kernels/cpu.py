@@ -69,6 +69,11 @@ def _f32(a: np.ndarray | None) -> np.ndarray | None:
     return None if a is None else np.ascontiguousarray(a, dtype=np.float32)
 
 
+def _input_major(W) -> bool:
+    """A float32 [N, K] matrix whose transpose is C-contiguous (model/dense.py keeps routers so)."""
+    return isinstance(W, np.ndarray) and W.dtype == np.float32 and W.ndim == 2 and W.T.flags.c_contiguous
+
+
 def _expert_args(w) -> tuple | None:
     """The weights' part of `_cpu.moe`'s per-expert tuple, built once per expert and kept on it (a
     decode step used to rebuild it for every expert of every layer); None for float32 experts. Kept
@@ -89,6 +94,7 @@ def _expert_args(w) -> tuple | None:
 class CpuOps(ReferenceOps):
     name = "cpu"
     attention_blocks = True  # forward.py calls gqa_block on every pass (device ops: short passes only)
+    route_kinds = tuple(ROUTE_KINDS)  # the router kinds `decode_pass` routes
 
     def __init__(self, threads: int | None = None, reason: str = "requested"):
         super().__init__(reason)
@@ -185,6 +191,43 @@ class CpuOps(ReferenceOps):
         qn, kn = (_f32(W[p + "q_norm"]), _f32(W[p + "k_norm"])) if mode else (None, None)
         return (qkv.data, qkv.type_id, _f32(W.get(p + "qkv_bias")), o.data, o.type_id, _f32(W.get(p + "o_bias")),
                 mode, qn, kn, _f32(W[p + "sinks"]) if c.attention_sinks else None)
+
+    def router(self, x: np.ndarray, W, bias=None) -> np.ndarray:
+        """A MoE layer's router scores: `linear`, except that a decode token's product with a float32
+        router kept input-major (model/dense.py) runs in C in a fixed order, as `decode_pass`
+        computes it, so the two give the same bits. (BLAS gives one row other bits than several,
+        so verification and a decode token never shared them.)"""
+        if x.shape[0] != 1 or not _input_major(W):
+            return self.linear(x, W, bias)
+        y = np.empty((1, W.shape[0]), dtype=np.float32)
+        _cpu.router(W.T, np.ascontiguousarray(x, dtype=np.float32), _f32(bias), y)
+        return y
+
+    def decode_layer_args(self, c, W, L: int) -> tuple | None:
+        """`decode_pass`'s arguments fixed for layer ``L`` (norms, attention weights, the router as
+        [H, E]); None where the one-call pass does not apply to it (`gqa_block` does not, or the
+        router is not a float32 matrix kept input-major)."""
+        p = f"layers.{L}."
+        fixed, router = self._attn_args(c, W, L), W.get(p + "router")
+        if fixed is None or not _input_major(router):
+            return None
+        return (_f32(W[p + "attn_norm"]), *fixed[:10], _f32(W[p + "ffn_norm"]), router.T,
+                _f32(W.get(p + "router_bias")))
+
+    def decode_pass(self, c, h, layers: list, cs, vis, start: int, k: int, best: bool, act, final_norm, head,
+                    logits, scores, experts, weights) -> int:
+        """A decode token's layers and head in one C call (csrc/cpu/pass.c), each step the kernel the
+        step-by-step path calls (`gqa_block`, `rms_norm`, `router`, `moe_step`, the head's `linear`),
+        so both give the same bits. ``layers``: per layer `decode_layer_args` + (its K and V cache,
+        the cache's resident table, the policy's allowed mask or None). ``h`` [1, H] is updated in
+        place. Returns the layers done: all of them, with ``logits`` written; or the layer whose
+        choices are not all resident (or whose scores hold a NaN), with ``h`` its input."""
+        cos, sin = cs
+        return _cpu.decode_pass(h, layers, np.ascontiguousarray(cos), np.ascontiguousarray(sin), vis, start,
+                                c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale,
+                                bool(c.rope_interleave), k, ROUTE_KINDS[c.router], bool(c.norm_topk_prob),
+                                c.routed_scaling_factor, best, ACT_IDS[act.kind], act.alpha, act.limit, final_norm,
+                                head.data, head.type_id, logits, scores, experts, weights)
 
     def linear(self, x: np.ndarray, W, bias=None) -> np.ndarray:
         if not isinstance(W, StoredMatrix) or W.dtype == "F32":

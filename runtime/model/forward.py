@@ -102,6 +102,8 @@ class MoEModel:
         self._steps = (hasattr(self.ops, "moe_step") and not backend.on_device
                        and hasattr(self.experts, "resident_table") and not self.config.expert_groups
                        and not any(name.endswith("router_score_bias") for name in self._host))
+        self._router = getattr(self.ops, "router", self.ops.linear)  # the CPU kernels: `decode_pass`'s product
+        self._pass_layers: list | None = None  # `decode_pass`'s fixed arguments per layer ([]: it does not apply)
 
     def draft_head(self, n: int, ranks_path: str | None = None) -> DraftHead | None:
         """The lm head over the ``n`` most frequent tokens (model/draft_head.py), built once per
@@ -147,7 +149,7 @@ class MoEModel:
         with self.split.part("router"):
             # routing runs on the host: the cache must know the experts before computing them
             if norm is None:
-                logits = self.ops.linear(x, W[p + "router"], W.get(p + "router_bias"))
+                logits = self._router(x, W[p + "router"], W.get(p + "router_bias"))
             else:  # the norm and the router in one launch
                 residual, (x, logits) = x, self.ops.norm_linear(x, norm, c.rms_norm_eps, W[p + "router"],
                                                                 W.get(p + "router_bias"))
@@ -256,6 +258,37 @@ class MoEModel:
             return residual.copy()  # (every choice dropped: a new array all the same)
         return self.ops.experts_grouped(x, [(w, *found[e]) for e, w in got], self.act, residual)
 
+    def _one_call_applies(self, policy: RoutingPolicy, kv: KVCache, head: DraftHead | None) -> bool:
+        if self._pass_layers is None:
+            self._pass_layers = _one_call_layers(self)
+        c = self.config
+        return (bool(self._pass_layers) and policy.selection_bias is None and isinstance(self.split, _NoSplit)
+                and (head is None or _stored(head.weight)) and kv.keys[0].dtype == np.float32
+                and len({policy.k_for(L, c.top_k) for L in range(c.num_layers)}) == 1)
+
+    def _one_call(self, h, kv: KVCache, start: int, cs, vis, policy: RoutingPolicy, rec: RoutingRecord | None,
+                  head: DraftHead | None):
+        """A decode token's layers and head in one C call (kernels/cpu.py `decode_pass`), with the
+        cache's bookkeeping of the layers it computed, as `_moe_step` keeps it. Returns (layers done,
+        logits [1, V] when all are); ``h`` is then the input of the first layer not done."""
+        c, E, n = self.config, self.config.num_experts, self.config.num_layers
+        k = policy.k_for(0, c.top_k)
+        table = self.experts.resident_table
+        layers = [fixed + (kv.keys[L], kv.values[L], table(L, E, self.ops.expert_args),
+                           policy.allowed(L) if policy.allowed else None)
+                  for L, fixed in enumerate(self._pass_layers)]
+        lm = self.W["lm_head"] if head is None else head.weight
+        logits = np.empty((1, lm.shape[0]), np.float32)
+        scores, weights = np.empty((n, E), np.float32), np.empty((n, k), np.float32)
+        experts = np.empty((n, k), np.int64)
+        done = self.ops.decode_pass(c, h, layers, cs, vis, start, k, policy.fallback == "best", self.act,
+                                    self.W["norm"], lm, logits, scores, experts, weights)
+        for L in range(done):
+            if rec is not None:
+                rec.layers[L] = LayerRouting(scores[L:L + 1], experts[L:L + 1], weights[L:L + 1])
+            self.experts.note_resident(L, sorted(e for e in experts[L].tolist() if e >= 0))
+        return done, (logits if done == n else None)
+
     def _dense_mlp(self, L: int, x: np.ndarray, kind: str = "mlp_") -> np.ndarray:
         W, ops = self.W, self.ops
         p = f"layers.{L}.{kind}"
@@ -339,7 +372,10 @@ class MoEModel:
         fuse = T <= getattr(ops, "max_fused_tokens", 0)  # a device's fused kernels (kernels/device.py)
         block = fuse or getattr(ops, "attention_blocks", False)  # the CPU kernels' one-call attention block
         h = ops.embed(W["embed"], ids)
-        for L in range(c.num_layers):
+        first, out = 0, None
+        if T == 1 and positions is None and tree_mask is None and logits != "none" and self._one_call_applies(policy, kv, head):
+            first, out = self._one_call(h, kv, start, (cos, sin), masks[c.window_of(0)], policy, rec, head)
+        for L in range(first, c.num_layers):
             with self.split.part("attention"):
                 norm, mask = W[f"layers.{L}.attn_norm"], masks[c.window_of(L)]
                 fused = ops.gqa_block(c, W, L, h, norm, start, kv, (cos, sin), mask) if block else None
@@ -354,8 +390,7 @@ class MoEModel:
             else:
                 with self.split.part("dense_mlp"):
                     h = h + self._dense_mlp(L, x)
-        out = None
-        if logits != "none":  # inner chunks of a prompt skip the head
+        if out is None and logits != "none":  # inner chunks of a prompt skip the head
             with self.split.part("lm_head"):
                 if logits == "last":
                     h = h[-1:]
@@ -370,6 +405,23 @@ class MoEModel:
             return None, rec
         out = self.backend.to_host(out)  # logits to the host for sampling
         return (out if head is None else head.expand(out)), rec
+
+
+def _one_call_layers(model: "MoEModel") -> list:
+    """`decode_pass`'s fixed arguments of every layer, or [] where the one-call pass does not apply to
+    the model: CPU kernels with `moe_step` (`_steps`), every layer MoE with one attention window, no
+    shared experts, a router kind of the kernels', a stored head."""
+    c, W, ops = model.config, model.W, model.ops
+    if not (model._steps and hasattr(ops, "decode_pass") and all(c.moe_layers) and not c.shared_expert_intermediate_size
+            and len({c.window_of(L) for L in range(c.num_layers)}) == 1 and _stored(W.get("lm_head"))
+            and c.router in getattr(ops, "route_kinds", ())):
+        return []
+    layers = [ops.decode_layer_args(c, W, L) for L in range(c.num_layers)]
+    return [] if None in layers else layers
+
+
+def _stored(m) -> bool:
+    return getattr(m, "dtype", "F32") != "F32" and hasattr(m, "type_id")
 
 
 def _tokens_by_expert(experts: np.ndarray, weights: np.ndarray, flat: bool = False) -> dict[int, tuple[list, list]]:
