@@ -13,16 +13,20 @@ from s2moe.runtime.model.routing import RoutingPolicy
 
 
 def _counting(model):
-    """Wrap the model's `decode_pass`: a list of the layers each call finished."""
-    done, real = [], model.ops.decode_pass
+    """Wrap the model's `decode_pass`: per decode pass, the layers each of its calls reached (a call
+    stops before a layer it cannot finish; after that layer, step by step, the next call goes on)."""
+    passes, real, n = [], model.ops.decode_pass, model.config.num_layers
 
-    def counted(*a, **k):
-        n = real(*a, **k)
-        done.append(n)
-        return n
+    def counted(c, h, layers, *a, **k):
+        done = real(c, h, layers, *a, **k)
+        first = n - len(layers)
+        if first == 0:
+            passes.append([])
+        passes[-1].append(first + done)
+        return done
 
     model.ops.decode_pass = counted
-    return done
+    return passes
 
 
 def _preload(model) -> None:
@@ -82,21 +86,24 @@ def test_the_one_call_pass_gives_the_step_by_step_bits_kv_and_bookkeeping(budget
     _same(one, plain, (budget, fallback))
     layers = 4
     done = one[3]
-    assert len(done) == 48 and not plain[3]  # every decode pass tried the one call; the other path none
-    if budget is None:  # no budget: experts load on first use, and the call stops before each such layer
-        assert any(n < layers for n in done) and any(n == layers for n in done)
-    elif budget == "1.0":  # every expert preloaded: every pass finishes in the call
-        assert all(n == layers for n in done)
-    else:  # target passes meet experts that are not resident: the call stops, the rest streams them
-        assert all(n == layers for n in done[1::2]), "a resident-only draft pass must finish in the one call"
-        assert any(n < layers for n in done[0::2]) and one[1]["ar"]["misses"] > 0
+    assert len(done) == 48 and not plain[3]  # every decode pass took the one call; the other path none
+    whole = [reached == [layers] for reached in done]
+    if budget == "1.0":  # every expert preloaded: every pass finishes in one call
+        assert all(whole)
+    else:  # a layer with an expert to read goes step by step, and the call goes on after it
+        if budget:
+            assert all(whole[1::2]), "a resident-only draft pass must finish in one call"
+        assert not all(whole) and one[1]["ar"]["misses"] > 0
+        for reached in done:  # each call starts after the layer the one before stopped at (or at the last)
+            assert reached[-1] >= layers - 1 and all(a < b for a, b in zip(reached, reached[1:])), reached
+        assert any(len(reached) >= 2 for reached in done), "no pass went back to the call after a streamed layer"
 
 
 def test_a_nan_score_stops_the_call_before_its_layer_and_the_step_path_decides():
     one, plain = _run(True, "0.25", nan_layer=2), _run(False, "0.25", nan_layer=2)
     _same(one, plain, "nan")
-    assert one[3] and all(n <= 2 for n in one[3]), "the call must stop before the layer with a NaN score"
-    assert any(n == 2 for n in one[3])
+    assert len(one[3]) == 48 and all(2 in reached for reached in one[3]), "every call must stop before the NaN layer"
+    assert all(reached[-1] > 2 for reached in one[3]), "and the next call go on after it"
 
 
 def test_passes_the_one_call_does_not_take_go_step_by_step():
@@ -108,7 +115,7 @@ def test_passes_the_one_call_does_not_take_go_step_by_step():
     model.forward([3], kv, policy=mixed, logits="last")
     assert not done
     model.forward([3], kv, logits="last")
-    assert len(done) == 1
+    assert len(done) == 1 and done[0][-1] >= model.config.num_layers - 1
 
 
 def test_the_router_kernel_is_the_product_in_a_fixed_order():

@@ -214,8 +214,8 @@ CORE: list[Mutation] = [
     Mutation("live-costs-never-restart", "runtime/decoding/live_costs.py", "if self.off_run >= self.RUN:",
              "if False:", ["tests/test_live_costs.py"], "a slowed disk averaged away over many passes"),
     Mutation("router-input-fp16", "runtime/model/forward.py",
-             'logits = self.ops.linear(x, W[p + "router"], W.get(p + "router_bias"))',
-             'logits = self.ops.linear(x.astype(np.float16).astype(np.float32), W[p + "router"], W.get(p + "router_bias"))',
+             'logits = self._router(x, W[p + "router"], W.get(p + "router_bias"))',
+             'logits = self._router(x.astype(np.float16).astype(np.float32), W[p + "router"], W.get(p + "router_bias"))',
              ["tests/test_families_extra.py", "-k", "router_matches"],
              "the router reads a half-precision copy of the hidden state (the router test's tolerance, scaled to its RMS, still sees it)"),
     # int8 activations against Q8_0 / Q4_0 rows (csrc/cpu/dot.c; the copy's extension is rebuilt)

@@ -267,27 +267,27 @@ class MoEModel:
                 and len({policy.k_for(L, c.top_k) for L in range(c.num_layers)}) == 1)
 
     def _one_call(self, h, kv: KVCache, start: int, cs, vis, policy: RoutingPolicy, rec: RoutingRecord | None,
-                  head: DraftHead | None):
-        """A decode token's layers and head in one C call (kernels/cpu.py `decode_pass`), with the
-        cache's bookkeeping of the layers it computed, as `_moe_step` keeps it. Returns (layers done,
-        logits [1, V] when all are); ``h`` is then the input of the first layer not done."""
+                  head: DraftHead | None, first: int = 0):
+        """A decode token's layers from ``first`` on and the head in one C call (kernels/cpu.py
+        `decode_pass`), with the cache's bookkeeping of the layers it computed, as `_moe_step`
+        keeps it. Returns (the first layer not done, logits [1, V] when none is left); ``h`` is
+        then that layer's input."""
         c, E, n = self.config, self.config.num_experts, self.config.num_layers
         k = policy.k_for(0, c.top_k)
         table = self.experts.resident_table
-        layers = [fixed + (kv.keys[L], kv.values[L], table(L, E, self.ops.expert_args),
-                           policy.allowed(L) if policy.allowed else None)
-                  for L, fixed in enumerate(self._pass_layers)]
+        layers = [self._pass_layers[L] + (kv.keys[L], kv.values[L], table(L, E, self.ops.expert_args),
+                                          policy.allowed(L) if policy.allowed else None) for L in range(first, n)]
         lm = self.W["lm_head"] if head is None else head.weight
         logits = np.empty((1, lm.shape[0]), np.float32)
-        scores, weights = np.empty((n, E), np.float32), np.empty((n, k), np.float32)
-        experts = np.empty((n, k), np.int64)
+        scores, weights = np.empty((n - first, E), np.float32), np.empty((n - first, k), np.float32)
+        experts = np.empty((n - first, k), np.int64)
         done = self.ops.decode_pass(c, h, layers, cs, vis, start, k, policy.fallback == "best", self.act,
                                     self.W["norm"], lm, logits, scores, experts, weights)
-        for L in range(done):
+        for i in range(done):
             if rec is not None:
-                rec.layers[L] = LayerRouting(scores[L:L + 1], experts[L:L + 1], weights[L:L + 1])
-            self.experts.note_resident(L, sorted(e for e in experts[L].tolist() if e >= 0))
-        return done, (logits if done == n else None)
+                rec.layers[first + i] = LayerRouting(scores[i:i + 1], experts[i:i + 1], weights[i:i + 1])
+            self.experts.note_resident(first + i, sorted(e for e in experts[i].tolist() if e >= 0))
+        return first + done, (logits if first + done == n else None)
 
     def _dense_mlp(self, L: int, x: np.ndarray, kind: str = "mlp_") -> np.ndarray:
         W, ops = self.W, self.ops
@@ -372,10 +372,16 @@ class MoEModel:
         fuse = T <= getattr(ops, "max_fused_tokens", 0)  # a device's fused kernels (kernels/device.py)
         block = fuse or getattr(ops, "attention_blocks", False)  # the CPU kernels' one-call attention block
         h = ops.embed(W["embed"], ids)
-        first, out = 0, None
-        if T == 1 and positions is None and tree_mask is None and logits != "none" and self._one_call_applies(policy, kv, head):
-            first, out = self._one_call(h, kv, start, (cos, sin), masks[c.window_of(0)], policy, rec, head)
-        for L in range(first, c.num_layers):
+        # a decode token: its layers in one C call, which stops before a layer it cannot finish (an
+        # expert to read); that layer goes step by step, and the call takes over again after it
+        one = T == 1 and positions is None and tree_mask is None and logits != "none" and \
+            self._one_call_applies(policy, kv, head)
+        out, L = None, 0
+        while L < c.num_layers:
+            if one:
+                L, out = self._one_call(h, kv, start, (cos, sin), masks[c.window_of(0)], policy, rec, head, L)
+                if out is not None:
+                    break
             with self.split.part("attention"):
                 norm, mask = W[f"layers.{L}.attn_norm"], masks[c.window_of(L)]
                 fused = ops.gqa_block(c, W, L, h, norm, start, kv, (cos, sin), mask) if block else None
@@ -383,13 +389,14 @@ class MoEModel:
                                         mask) if fused is None else fused
             if fuse and c.moe_layers[L]:  # the norm joins the router's launch, the residual the experts'
                 h = self._moe(L, h, policy, rec, W[f"layers.{L}.ffn_norm"])
-                continue
-            x = ops.rms_norm(h, W[f"layers.{L}.ffn_norm"], c.rms_norm_eps)
-            if c.moe_layers[L]:
-                h = h + self._moe(L, x, policy, rec)
             else:
-                with self.split.part("dense_mlp"):
-                    h = h + self._dense_mlp(L, x)
+                x = ops.rms_norm(h, W[f"layers.{L}.ffn_norm"], c.rms_norm_eps)
+                if c.moe_layers[L]:
+                    h = h + self._moe(L, x, policy, rec)
+                else:
+                    with self.split.part("dense_mlp"):
+                        h = h + self._dense_mlp(L, x)
+            L += 1
         if out is None and logits != "none":  # inner chunks of a prompt skip the head
             with self.split.part("lm_head"):
                 if logits == "last":
