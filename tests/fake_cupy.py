@@ -375,11 +375,14 @@ def _emulator(code: str):
     with open(src, "w") as f:
         f.write(_SHIM + code + "\n" + "\n".join(launchers) + "\n")
     lib = os.path.join(folder, f"k{hashlib.sha1(code.encode()).hexdigest()[:12]}.so")
-    r = subprocess.run([compiler, "-O1", "-std=c++17", "-shared", "-fPIC", src, "-o", lib], capture_output=True,
-                       text=True, cwd=folder)  # no -I: the source must not need its headers
-    if r.returncode:
-        raise CUDADriverError(f"NVRTC_ERROR_COMPILATION (fake_cupy emulation):\n{r.stderr[-3000:]}")
-    return ctypes.CDLL(lib), signatures
+    try:
+        r = subprocess.run([compiler, "-O1", "-std=c++17", "-shared", "-fPIC", src, "-o", lib], capture_output=True,
+                           text=True, cwd=folder)  # no -I: the source must not need its headers
+        if r.returncode:
+            raise CUDADriverError(f"NVRTC_ERROR_COMPILATION (fake_cupy emulation):\n{r.stderr[-3000:]}")
+        return ctypes.CDLL(lib), signatures  # (a loaded library stays mapped once its file is gone)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # one folder per test run used to stay in /tmp
 
 
 def _emulate(raw, grid, block, args, name):
