@@ -43,11 +43,10 @@ def warm_loop(model_path: str | None, budget: str, n: int, rounds: int) -> dict[
     kv = model.new_cache(256)
     model.forward(list(range(100, 160)), kv, logits="last")
     kv.commit(60)
-    layers = model._pass_layers if model._pass_layers is not None else None
     out: dict[str, list[float]] = {p: [] for p in PATHS}
     for r in range(rounds):
         for path in (PATHS if r % 2 == 0 else PATHS[::-1]):
-            model._pass_layers = layers if path == "one call" else []
+            model.one_call = path == "one call"
             with phase_of(model, "draft"):
                 for i in range(n // 10):  # warm-up
                     model.forward([5 + i % 50], kv, policy=draft, logits="last")
@@ -57,8 +56,6 @@ def warm_loop(model_path: str | None, budget: str, n: int, rounds: int) -> dict[
                     model.forward([5 + i % 50], kv, policy=draft, logits="last")
                     kv.rollback(60)
             out[path].append((time.perf_counter() - t0) / n * 1e6)
-            if path == "one call" and layers is None:
-                layers = model._pass_layers
     return out
 
 

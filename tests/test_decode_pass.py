@@ -41,7 +41,7 @@ def _run(one_call: bool, budget: str | None, fallback: str = "best", nan_layer: 
     if budget == "1.0":
         _preload(model)
     if not one_call:
-        model._pass_layers = []  # the step-by-step path, one C call per layer
+        model.one_call = False  # the step-by-step path, one C call per layer
     if nan_layer is not None:  # a NaN router row: every token's scores in that layer hold a NaN
         name = f"layers.{nan_layer}.router"
         W = model.W[name].copy(order="F")  # (the loaded weights are not touched)
@@ -197,7 +197,7 @@ def test_speculative_decoding_gives_the_same_tokens_with_and_without_the_one_cal
     for one_call in (True, False):
         model = build_engine(str(DEFAULT_MODEL), "0.25").model
         if not one_call:
-            model._pass_layers = []
+            model.one_call = False
         done = _counting(model)
         ar = generate_ar(model, prompt, 48).tokens
         dec = SpeculativeDecoder(model, get_method("s2moe", reuse_gating=False), SpecSettings(), eager)
@@ -206,3 +206,24 @@ def test_speculative_decoding_gives_the_same_tokens_with_and_without_the_one_cal
         assert bool(done) == one_call
         results.append((ar, got.tokens, got.metrics.draft_passes, got.metrics.accepted))
     assert results[0] == results[1]
+
+
+def test_new_weights_rebuild_the_calls_arguments():
+    """The call's per-layer arguments are kept per model; weights swapped after a pass (as the NaN
+    test and tools swap a router) must not leave the call on the old ones."""
+    model = build_engine(str(DEFAULT_MODEL), budget="1.0").model
+    _preload(model)
+    done = _counting(model)
+    kv = model.new_cache(64)
+    model.forward(list(range(5, 9)), kv, logits="last")
+    kv.commit(4)
+    before = model.forward([3], kv, logits="last")[0]  # builds the call's arguments
+    kv.rollback(4)
+    name = "layers.1.router"
+    flipped = -model.W[name]  # (a new array, input-major as loaded)
+    model.W = {**model.W, name: np.asfortranarray(flipped)}
+    one = model.forward([3], kv, logits="last")[0]
+    kv.rollback(4)
+    model.one_call = False
+    step = model.forward([3], kv, logits="last")[0]
+    assert len(done) == 2 and np.array_equal(one, step) and not np.array_equal(one, before)

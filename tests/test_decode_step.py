@@ -62,7 +62,7 @@ def _decode_run(steps: bool, budget: str | None, fallback: str):
     model = build_engine(str(DEFAULT_MODEL), budget=budget).model
     assert model._steps  # the default model takes the one-call path unless told not to
     model._steps = steps
-    model._pass_layers = []  # a layer per call: the whole pass in one call is tests/test_decode_pass.py's
+    model.one_call = False  # a layer per call: the whole pass in one call is tests/test_decode_pass.py's
     cache = model.experts
     draft = RoutingPolicy(top_k=2, allowed=lambda L: cache.resident_mask(L, model.config.num_experts), fallback=fallback)
     kv = model.new_cache(256)

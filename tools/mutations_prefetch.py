@@ -279,4 +279,8 @@ PREFETCH: list[Mutation] = [
              "        if x.shape[0] != 1 or not _input_major(W):\n            return self.linear(x, W, bias)",
              "        return self.linear(x, W, bias)", ["tests/test_decode_pass.py", "-k", "step_by_step_bits"],
              "the step-by-step path's decode router on BLAS: other bits than the one-call pass"),
+    Mutation("pass-args-kept-across-weights", "runtime/model/forward.py",
+             "        if self._pass_layers is None or self._pass_weights is not self.W:",
+             "        if self._pass_layers is None:", ["tests/test_decode_pass.py", "-k", "new_weights"],
+             "the one-call pass keeps the arguments of weights the model no longer holds"),
 ]

@@ -103,7 +103,11 @@ class MoEModel:
                        and hasattr(self.experts, "resident_table") and not self.config.expert_groups
                        and not any(name.endswith("router_score_bias") for name in self._host))
         self._router = getattr(self.ops, "router", self.ops.linear)  # the CPU kernels: `decode_pass`'s product
-        self._pass_layers: list | None = None  # `decode_pass`'s fixed arguments per layer ([]: it does not apply)
+        # a decode token's whole pass in one C call (`_one_call`) where it applies; off: a layer per call
+        self.one_call = True
+        # `decode_pass`'s fixed arguments per layer ([]: it does not apply), and the weights they came from
+        self._pass_layers: list | None = None
+        self._pass_weights = None
 
     def draft_head(self, n: int, ranks_path: str | None = None) -> DraftHead | None:
         """The lm head over the ``n`` most frequent tokens (model/draft_head.py), built once per
@@ -259,8 +263,10 @@ class MoEModel:
         return self.ops.experts_grouped(x, [(w, *found[e]) for e, w in got], self.act, residual)
 
     def _one_call_applies(self, policy: RoutingPolicy, kv: KVCache, head: DraftHead | None) -> bool:
-        if self._pass_layers is None:
-            self._pass_layers = _one_call_layers(self)
+        if not self.one_call:
+            return False
+        if self._pass_layers is None or self._pass_weights is not self.W:  # (built again for new weights)
+            self._pass_layers, self._pass_weights = _one_call_layers(self), self.W
         c = self.config
         return (bool(self._pass_layers) and policy.selection_bias is None and isinstance(self.split, _NoSplit)
                 and (head is None or _stored(head.weight)) and kv.keys[0].dtype == np.float32
