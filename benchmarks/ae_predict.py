@@ -17,14 +17,13 @@ table on stdout, JSON/CSV under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.in_process import bench_records  # noqa: E402
 from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
 
 
@@ -37,44 +36,34 @@ def main() -> None:
     ap.add_argument("--out", default="docs/results/ae-predict/default")
     args, extra = ap.parse_known_args()
 
-    from s2moe.runtime.cli import main as cli
     from s2moe.runtime.decoding.speculative import SpeculativeDecoder
     from s2moe.runtime.kernels.cpu import CpuOps
 
     fast, real = CpuOps.ae_predict, SpeculativeDecoder._predictions
     spent = [0.0, 0]
 
-    def timed(self, record, batch):
+    def timed(self, *a, **k):
         t0 = time.perf_counter()
         try:
-            return real(self, record, batch)
+            return real(self, *a, **k)
         finally:
             spent[0] += time.perf_counter() - t0
             spent[1] += 1
 
     SpeculativeDecoder._predictions = timed
     samples: dict[str, dict[str, list[float]]] = {p: {"us": [], "tok_s": []} for p in ("one call", "numpy")}
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(args.reps):
-            for path in (("one call", "numpy") if rep % 2 == 0 else ("numpy", "one call")):
-                if path == "one call":
-                    CpuOps.ae_predict = fast
-                elif hasattr(CpuOps, "ae_predict"):
-                    del CpuOps.ae_predict
-                spent[:] = [0.0, 0]
-                out = os.path.join(tmp, "bench.json")
-                sys.argv = ["s2moe", "bench", "--methods", "s2moe", "--budget", args.budget, "-w", args.workload,
-                            "--n-prompts", "6", "--json", out] + (["--model", args.model] if args.model else []) + extra
-                try:
-                    cli()
-                except SystemExit as exc:
-                    if exc.code not in (0, None):
-                        raise
-                record = json.load(open(out))["records"][0]
-                samples[path]["us"].append(spent[0] / max(spent[1], 1) * 1e6)
-                samples[path]["tok_s"].append(record["median"])
-                print(f"rep {rep} {path}: {samples[path]['us'][-1]:.0f} us a pass, {record['median']:.1f} tok/s",
-                      file=sys.stderr, flush=True)
+    for rep in range(args.reps):
+        for path in (("one call", "numpy") if rep % 2 == 0 else ("numpy", "one call")):
+            if path == "one call":
+                CpuOps.ae_predict = fast
+            elif hasattr(CpuOps, "ae_predict"):
+                del CpuOps.ae_predict
+            spent[:] = [0.0, 0]
+            record = bench_records("s2moe", args.budget, args.workload, args.model, extra)[0]
+            samples[path]["us"].append(spent[0] / max(spent[1], 1) * 1e6)
+            samples[path]["tok_s"].append(record["median"])
+            print(f"rep {rep} {path}: {samples[path]['us'][-1]:.0f} us a pass, {record['median']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
     CpuOps.ae_predict = fast
     params = {"model": args.model or "embedded", "budget": args.budget, "workload": args.workload, "bench_args": extra}
     records = [Record("ae-predict", f"{path}: predictions per draft pass", "us", s["us"], params) for path, s in samples.items()]

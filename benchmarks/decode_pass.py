@@ -18,14 +18,13 @@ Results: a markdown table on stdout, JSON/CSV under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.in_process import bench_records  # noqa: E402
 from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
 
 PATHS = ("one call", "step by step")
@@ -69,7 +68,6 @@ def main() -> None:
     ap.add_argument("--out", default="docs/results/decode-pass/default")
     args, extra = ap.parse_known_args()
 
-    from s2moe.runtime.cli import main as cli
     from s2moe.runtime.model.forward import MoEModel
 
     loop = warm_loop(args.model, args.budget, args.loop, args.reps)
@@ -88,27 +86,19 @@ def main() -> None:
 
     MoEModel.forward = timed
     runs: dict[str, dict[str, list[float]]] = {p: {"us": [], "ar": [], "s2moe": [], "ratio": []} for p in PATHS}
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(args.reps):
-            for path in (PATHS if rep % 2 == 0 else PATHS[::-1]):
-                MoEModel._one_call_applies = applies if path == "one call" else (lambda self, *a: False)
-                spent[:] = [0.0, 0]
-                out = os.path.join(tmp, "bench.json")
-                sys.argv = ["s2moe", "bench", "--methods", "ar,s2moe", "--budget", args.budget, "-w", args.workload,
-                            "--n-prompts", "6", "--json", out] + (["--model", args.model] if args.model else []) + extra
-                try:
-                    cli()
-                except SystemExit as exc:
-                    if exc.code not in (0, None):
-                        raise
-                tok_s = {r["name"]: r["median"] for r in json.load(open(out))["records"]}
-                s = runs[path]
-                s["us"].append(spent[0] / max(spent[1], 1) * 1e6)
-                s["ar"].append(tok_s["ar"])
-                s["s2moe"].append(tok_s["s2moe"])
-                s["ratio"].append(tok_s["s2moe"] / tok_s["ar"])
-                print(f"rep {rep} {path}: draft pass {s['us'][-1]:.0f} us, AR {tok_s['ar']:.1f}, "
-                      f"S2-MoE {tok_s['s2moe']:.1f} tok/s", file=sys.stderr, flush=True)
+    for rep in range(args.reps):
+        for path in (PATHS if rep % 2 == 0 else PATHS[::-1]):
+            MoEModel._one_call_applies = applies if path == "one call" else (lambda self, *a: False)
+            spent[:] = [0.0, 0]
+            tok_s = {r["name"]: r["median"] for r in bench_records("ar,s2moe", args.budget, args.workload,
+                                                                   args.model, extra)}
+            s = runs[path]
+            s["us"].append(spent[0] / max(spent[1], 1) * 1e6)
+            s["ar"].append(tok_s["ar"])
+            s["s2moe"].append(tok_s["s2moe"])
+            s["ratio"].append(tok_s["s2moe"] / tok_s["ar"])
+            print(f"rep {rep} {path}: draft pass {s['us'][-1]:.0f} us, AR {tok_s['ar']:.1f}, "
+                  f"S2-MoE {tok_s['s2moe']:.1f} tok/s", file=sys.stderr, flush=True)
     MoEModel._one_call_applies, MoEModel.forward = applies, forward
     params = {"model": args.model or "embedded", "budget": args.budget, "workload": args.workload, "bench_args": extra,
               "loop_passes": args.loop}
