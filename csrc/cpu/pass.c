@@ -72,12 +72,9 @@ static int layer(PyObject *item, const pass_args *p, float *h, float *scores, in
         PyErr_SetString(PyExc_ValueError, "decode_pass: a layer is not a tuple of its 18 arguments");
         return FAILED;
     }
-    Py_buffer b[LB], views[MAX_K * EX_BUFS];
-    moe_expert chosen[MAX_K];
+    Py_buffer b[LB];
     memset(b, 0, sizeof(b));
-    memset(views, 0, sizeof(Py_buffer) * (size_t)(p->k * EX_BUFS));
-    memset(chosen, 0, sizeof(moe_expert) * (size_t)p->k);
-    int status = FAILED, rc, routed;
+    int status = FAILED, rc;
     for (int i = 0; i < LB; i++)
         if (o[i] != Py_None && get_buf(o[i], &b[i], lkinds[i], i == KC || i == VC, lnames[i]) < 0) goto done;
     if (check_layer(b, qkv_type, o_type, qk_norm, table, p) < 0) goto done;
@@ -92,35 +89,17 @@ static int layer(PyObject *item, const pass_args *p, float *h, float *scores, in
         op_rms_norm(p->att, b[FNORM].buf, 1, H, p->eps, p->x);
         op_router(b[ROUTER].buf, p->E, H, p->x, b[RBIAS].buf, scores);
     }
-    routed = rc ? 0 : op_route(scores, scores, 1, p->E, p->k, p->kind, p->norm, p->scale, experts, weights);
-    if (!rc && !routed && b[ALLOWED].buf) op_restrict(scores, p->E, p->k, b[ALLOWED].buf, p->best, experts, weights);
     Py_END_ALLOW_THREADS if (rc == -2) PyErr_NoMemory();
     else if (rc) PyErr_SetString(PyExc_ValueError, "decode_pass: a weight type cannot hold these rows");
     if (rc) goto done;
-    if (routed == -3) { /* a NaN score: the step-by-step path decides what that gives */
-        status = STOPPED;
-        goto done;
-    }
-    long I = 0;
-    for (int j = 0; j < p->k; j++) {
-        if (experts[j] < 0) continue;
-        PyObject *entry = PyList_GET_ITEM(table, experts[j]);
-        if (entry == Py_None) { /* not resident: the caller streams it */
-            status = STOPPED;
-            goto done;
-        }
-        if (parse_expert(entry, &chosen[j], views + j * EX_BUFS, H, &I) < 0) goto done;
-        chosen[j].weight = &weights[j];
-    }
-    Py_BEGIN_ALLOW_THREADS rc = op_moe_token(chosen, p->k, I, H, p->x, p->total, p->act, p->alpha, p->limit);
-    if (!rc)
-        for (long i = 0; i < H; i++) h[i] = p->att[i] + p->total[i]; /* forward.py: h + the experts */
-    Py_END_ALLOW_THREADS if (rc == -2) PyErr_NoMemory();
-    else if (rc) PyErr_SetString(PyExc_ValueError, "decode_pass: expert widths do not fill whole blocks");
-    else status = DONE;
+    /* the MoE layer as moe_step computes it; a choice not resident or a NaN score: the caller goes on */
+    rc = moe_token_step(scores, p->E, p->k, p->kind, p->norm, p->scale, b[ALLOWED].buf, p->best, table, H, p->x,
+                        p->act, p->alpha, p->limit, experts, weights, p->total);
+    if (rc == 1 || rc == 2) status = STOPPED;
+    if (rc != 0) goto done;
+    for (long i = 0; i < H; i++) h[i] = p->att[i] + p->total[i]; /* forward.py: h + the experts */
+    status = DONE;
 done:
-    for (int i = 0; i < p->k * EX_BUFS; i++)
-        if (views[i].obj) PyBuffer_Release(&views[i]);
     for (int i = 0; i < LB; i++)
         if (b[i].obj) PyBuffer_Release(&b[i]);
     return status;

@@ -46,6 +46,39 @@ int parse_expert(PyObject *item, moe_expert *m, Py_buffer *v, long H, long *I) {
     return 0;
 }
 
+/* (step.h) */
+int moe_token_step(const float *scores, long E, int k, int kind, int norm, float scale, const uint8_t *allowed,
+                   int best, PyObject *table, long H, const float *x, int act, float alpha, float limit,
+                   int64_t *experts, float *weights, float *total) {
+    if (op_route(scores, scores, 1, E, k, kind, norm, scale, experts, weights) == -3) return 2;
+    if (allowed) op_restrict(scores, E, k, allowed, best, experts, weights);
+    Py_buffer views[MAX_K * EX_BUFS];
+    moe_expert chosen[MAX_K];
+    memset(views, 0, sizeof(Py_buffer) * (size_t)(k * EX_BUFS)); /* only k choices' worth is used */
+    memset(chosen, 0, sizeof(moe_expert) * (size_t)k);
+    int status = -1;
+    long I = 0;
+    for (int j = 0; j < k; j++) {
+        if (experts[j] < 0) continue;
+        PyObject *item = PyList_GET_ITEM(table, experts[j]);
+        if (item == Py_None) { /* not resident: the caller streams the layer */
+            status = 1;
+            goto done;
+        }
+        if (parse_expert(item, &chosen[j], views + j * EX_BUFS, H, &I) < 0) goto done;
+        chosen[j].weight = &weights[j];
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = op_moe_token(chosen, k, I, H, x, total, act, alpha, limit);
+    Py_END_ALLOW_THREADS if (rc == -2) PyErr_NoMemory();
+    else if (rc) PyErr_SetString(PyExc_ValueError, "moe step: expert widths do not fill whole blocks");
+    else status = 0;
+done:
+    for (int i = 0; i < k * EX_BUFS; i++)
+        if (views[i].obj) PyBuffer_Release(&views[i]);
+    return status;
+}
+
 /* moe_step(x [H], logits [E], k, kind, norm, scale, allowed [E] bool | None, best, table (E entries:
  *          an expert's tuple or None), act, alpha, limit, experts int64 [k], weights [k], total [H])
  * -> 0: total written; 1: a chosen expert is not in the table (experts and weights written, total
@@ -63,11 +96,8 @@ static PyObject *py_moe_step(PyObject *self, PyObject *args) {
     }
     static const char kinds[NB] = {'f', 'f', 'B', 'q', 'f', 'f'};
     static const char *names[NB] = {"x", "logits", "allowed", "experts", "weights", "total"};
-    Py_buffer b[NB], views[MAX_K * EX_BUFS];
-    moe_expert chosen[MAX_K];
+    Py_buffer b[NB];
     memset(b, 0, sizeof(b));
-    memset(views, 0, sizeof(Py_buffer) * (size_t)(k * EX_BUFS)); /* only k choices' worth is used */
-    memset(chosen, 0, sizeof(moe_expert) * (size_t)k);
     PyObject *result = NULL;
     for (int i = 0; i < NB; i++)
         if ((i != ALLOWED || o[i] != Py_None) && get_buf(o[i], &b[i], kinds[i], i >= EXPERTS, names[i]) < 0)
@@ -80,32 +110,10 @@ static PyObject *py_moe_step(PyObject *self, PyObject *args) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "moe_step: sizes, k, kind or the table do not match");
         goto done;
     }
-    int64_t *experts = b[EXPERTS].buf;
-    float *weights = b[WEIGHTS].buf;
-    if (op_route(b[LOGITS].buf, b[LOGITS].buf, 1, E, k, kind, norm, scale, experts, weights) == -3) {
-        result = PyLong_FromLong(2);
-        goto done;
-    }
-    if (b[ALLOWED].buf) op_restrict(b[LOGITS].buf, E, k, b[ALLOWED].buf, best, experts, weights);
-    long I = 0;
-    for (int j = 0; j < k; j++) {
-        if (experts[j] < 0) continue;
-        PyObject *item = PyList_GET_ITEM(table, experts[j]);
-        if (item == Py_None) { /* not resident: the caller streams the layer */
-            result = PyLong_FromLong(1);
-            goto done;
-        }
-        if (parse_expert(item, &chosen[j], views + j * EX_BUFS, H, &I) < 0) goto done;
-        chosen[j].weight = &weights[j];
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS rc = op_moe_token(chosen, k, I, H, b[X].buf, b[TOTAL].buf, act, alpha, limit);
-    Py_END_ALLOW_THREADS if (rc == -2) PyErr_NoMemory();
-    else if (rc) PyErr_SetString(PyExc_ValueError, "moe_step: expert widths do not fill whole blocks");
-    else result = PyLong_FromLong(0);
+    int rc = moe_token_step(b[LOGITS].buf, E, k, kind, norm, scale, b[ALLOWED].buf, best, table, H, b[X].buf, act,
+                            alpha, limit, b[EXPERTS].buf, b[WEIGHTS].buf, b[TOTAL].buf);
+    if (rc >= 0) result = PyLong_FromLong(rc);
 done:
-    for (int i = 0; i < k * EX_BUFS; i++)
-        if (views[i].obj) PyBuffer_Release(&views[i]);
     for (int i = 0; i < NB; i++)
         if (b[i].obj) PyBuffer_Release(&b[i]);
     return result;

@@ -14,6 +14,14 @@ enum { EX_BUFS = 6 }; /* the buffers of an expert's table entry: gate, up, down 
  * its rows to *I (which must match a nonzero *I). -1 with ValueError set on a bad entry. */
 int parse_expert(PyObject *item, moe_expert *m, Py_buffer *v, long H, long *I);
 
+/* One decode token's MoE layer from its router scores [E] (GIL held; released around the kernels):
+ * route, restrict to `allowed` [E] (NULL: all), and when every choice is in `table` (a list of E
+ * expert tuples or None), total [H] = their weighted sum in choice order. 0 computed; 1 a choice not
+ * in the table; 2 a NaN score; -1 an exception. experts [k] and weights [k] are written unless 2. */
+int moe_token_step(const float *scores, long E, int k, int kind, int norm, float scale, const uint8_t *allowed,
+                   int best, PyObject *table, long H, const float *x, int act, float alpha, float limit,
+                   int64_t *experts, float *weights, float *total);
+
 /* Adds moe_step() to the module; -1 with an exception set on failure. */
 int step_register(PyObject *module);
 
