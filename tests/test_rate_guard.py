@@ -72,6 +72,21 @@ def test_a_probe_that_wins_again_ends_the_holds_and_resets_their_length():
     assert steps[-40:].count(False) <= 2 and g.next_hold == RateGuard.BASE_HOLD  # AR probes only
 
 
+@pytest.mark.parametrize("slow_for", [20, 60, 120])
+def test_speculation_that_turns_faster_is_taken_up_again_after_a_long_hold(slow_for):
+    """Speculation slower than AR for a stretch (a cold start, a slow disk), then twice as fast.
+    While the guard holds, speculation's old evidence ages with the AR steps, so the probe after a
+    hold speaks for what speculation costs now. Without aging that probe weighed about 1/9 against
+    iterations 64 steps old, the holds kept doubling, and 273 of the 340 steps after a switch at
+    iteration 60 were AR steps (276 of 280 after one at 120)."""
+    g = RateGuard()
+    _drive(g, slow_for, spec_ms=3.0, ar_ms=2.0, spec_tokens=2)
+    after = _drive(g, 340, spec_ms=1.0, ar_ms=2.0, spec_tokens=2)
+    assert after.count(False) <= 64 + 340 // g.probe_every, g.to_dict()  # at most one long hold, then probes
+    assert after[-100:].count(False) <= 100 // g.probe_every + 1  # speculating, with AR probes only
+    assert g.next_hold == RateGuard.BASE_HOLD
+
+
 def test_nothing_is_decided_without_evidence_on_both_sides():
     g = RateGuard(min_ar=1000)  # never enough AR steps to decide on
     steps = _drive(g, 3 * g.early_probe_every, spec_ms=5.0, ar_ms=1.0)  # slow, but not enough AR steps yet

@@ -284,4 +284,12 @@ PREFETCH: list[Mutation] = [
              "        if self._pass_layers is None or self._pass_weights is not self.W:",
              "        if self._pass_layers is None:", ["tests/test_decode_pass.py", "-k", "new_weights"],
              "the one-call pass keeps the arguments of weights the model no longer holds"),
+    Mutation("guard-evidence-never-ages", "runtime/decoding/rate_guard.py",
+             "        (self.spec if not speculated else self.ar).age(self.age)", "        pass",
+             ["tests/test_rate_guard.py", "-k", "turns_faster"],
+             "the guard judges speculation after a hold on evidence from before it: holds keep doubling"),
+    Mutation("estimate-t-ar-warm-repeat", "runtime/decoding/estimate.py",
+             "        t_ar = statistics.median(samples[1:])",
+             "        t_ar = _median_time(lambda: step(), reps)", ["tests/test_live_costs.py", "-k", "t_ar_is"],
+             "the start-up T_AR times a token whose experts a pass just made resident: hits only"),
 ]

@@ -11,6 +11,9 @@ measured: natural ones (AE's back-off, the holds), and one probe after ``probe_e
 iterations without any. Until ``min_ar`` AR steps are measured a probe comes every
 ``early_probe_every`` iterations: with every expert resident AE never backs off, and at one probe
 per 32 iterations the evidence took 128 iterations, so a 256-token run ended before any hold.
+Evidence on each side also ages with the other side's iterations (half-life 16): without that, the
+probe after a 64-step hold weighed 1/9 against speculation as it was before the hold, and a slow
+start kept speculation held for most of a run after it had become twice as fast.
 
 It follows the clock, so it runs only with live cost constants (runs whose constants are fixed
 make the same decisions on any machine, and keep doing so).
@@ -27,6 +30,11 @@ class _Rate:
     def __init__(self, decay: float):
         self.decay, self.seconds, self.tokens, self.n = decay, 0.0, 0.0, 0
 
+    def age(self, factor: float) -> None:
+        """Older evidence counts less, whatever the value it gives (both sums shrink alike)."""
+        self.seconds *= factor
+        self.tokens *= factor
+
     def observe(self, tokens: int, seconds: float) -> None:
         self.seconds = self.seconds * self.decay + seconds
         self.tokens = self.tokens * self.decay + tokens
@@ -41,9 +49,13 @@ class RateGuard:
     BASE_HOLD = 4
 
     def __init__(self, half_life: float = 6.0, margin: float = 0.05, min_spec: int = 8, min_ar: int = 4,
-                 probe_every: int = 32, max_hold: int = 64, early_probe_every: int = 2):
+                 probe_every: int = 32, max_hold: int = 64, early_probe_every: int = 2, age_half_life: float = 16.0):
         decay = 0.5 ** (1.0 / half_life)
         self.spec, self.ar = _Rate(decay), _Rate(decay)
+        # evidence also ages with the run's iterations of the other kind: a side the guard keeps off
+        # (speculation through a hold, AR between probes) would otherwise be judged on what it cost
+        # 64 steps ago, against one fresh probe worth about 1/9 of it
+        self.age = 0.5 ** (1.0 / age_half_life) if age_half_life > 0 else 1.0
         self.margin, self.min_spec, self.min_ar = margin, min_spec, min_ar
         self.probe_every, self.max_hold, self.early_probe_every = probe_every, max_hold, early_probe_every
         self.hold, self.next_hold, self.since_ar = 0, self.BASE_HOLD, 0
@@ -66,6 +78,7 @@ class RateGuard:
         an AR step (whatever took it: the guard, AE's back-off)."""
         if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
+        (self.spec if not speculated else self.ar).age(self.age)
         if not speculated:
             self.ar.observe(tokens, seconds)
             self.since_ar = 0
