@@ -169,10 +169,104 @@ done:
     return result;
 }
 
+/* reuse_bias(logits, w, k, size, strength, rho, avail, out) -> bool: reuse-aware gating's bias for one
+ * layer of a verification batch (decoding/gating.py `ReuseGating.bias`, variants "paper" and
+ * "resident"), the NumPy path's arithmetic in its order and types: g = Σ_b w_b·ℓ_b in doubles, row by
+ * row; E* the top `size` of g (scaled to [0, 1] plus rho where avail, uint8 [E], marks an expert, when
+ * avail is given); λ_b = float32(strength) × (ℓ_b,(1) − ℓ_b,(k+1)) in float32. Writes out [B, E]
+ * float32 (λ_b on E*'s columns, else 0) and returns True; False where NumPy returns None (no w_b > 0,
+ * no λ_b > 0). In the verification of a 5-token batch this replaced about 15 NumPy calls a layer,
+ * 12 % of a verification's time on the embedded model. */
+static PyObject *py_reuse_bias(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_logits, *o_w, *o_avail, *o_out;
+    int k, size;
+    double strength, rho;
+    if (!PyArg_ParseTuple(args, "OOiiddOO", &o_logits, &o_w, &k, &size, &strength, &rho, &o_avail, &o_out))
+        return NULL;
+    Py_buffer vl = {0}, vw = {0}, va = {0}, vo = {0};
+    PyObject *result = NULL;
+    double *g = NULL;
+    if (get_buf(o_logits, &vl, 'f', 0, "logits") < 0 || get_buf(o_w, &vw, 'd', 0, "w") < 0 ||
+        get_buf(o_out, &vo, 'f', 1, "out") < 0)
+        goto done;
+    const Py_ssize_t B = vw.len / 8;
+    const Py_ssize_t E = B > 0 ? vl.len / 4 / B : 0;
+    if (B < 1 || E < 1 || E > MAX_E || vl.len != B * E * 4 || k < 1 || k >= E || size < 1 || size > E) {
+        PyErr_SetString(PyExc_ValueError, "reuse_bias: logits [B, E] float32 with w [B]; 1 <= k < E; 1 <= size <= E");
+        goto done;
+    }
+    if (check_len(&vo, B * E * 4, "out") < 0) goto done;
+    if (o_avail != Py_None && (get_buf(o_avail, &va, 'B', 0, "avail") < 0 || check_len(&va, E, "avail") < 0)) goto done;
+    const float *lg = vl.buf;
+    const double *w = vw.buf;
+    float *out = vo.buf;
+    int any = 0;
+    for (Py_ssize_t b = 0; b < B; b++) any |= w[b] > 0;
+    if (!any) {
+        result = Py_False;
+        goto done;
+    }
+    g = malloc(sizeof(double) * (size_t)E + sizeof(long long) * (size_t)(E + k + 1) + sizeof(float) * (size_t)B + (size_t)E);
+    if (!g) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    long long *star = (long long *)(g + E), *kth = star + E;
+    float *lam = (float *)(kth + k + 1);
+    unsigned char *taken = (unsigned char *)(lam + B);
+    for (Py_ssize_t e = 0; e < E; e++) g[e] = w[0] * (double)lg[e];
+    for (Py_ssize_t b = 1; b < B; b++)
+        for (Py_ssize_t e = 0; e < E; e++) g[e] += w[b] * (double)lg[b * E + e];
+    if (va.obj) { /* "resident": (g − min) / spread + ρ·avail (NumPy's max and min: NaN wins) */
+        const unsigned char *a = va.buf;
+        double low = g[0], high = g[0];
+        for (Py_ssize_t e = 1; e < E; e++) {
+            if (isnan(low) || isnan(g[e])) low = high = NAN;
+            else {
+                low = g[e] < low ? g[e] : low;
+                high = g[e] > high ? g[e] : high;
+            }
+        }
+        double spread = high - low, div = spread > 0 ? spread : 1.0;
+        for (Py_ssize_t e = 0; e < E; e++) g[e] = (g[e] - low) / div + rho * (a[e] ? 1.0 : 0.0);
+    }
+    top_k(g, (int)E, size, star, taken);
+    const float sf = (float)strength; /* NumPy casts the Python float to the array's float32 */
+    any = 0;
+    for (Py_ssize_t b = 0; b < B; b++) { /* the row's top-1 and (k+1)-th, NaN last, as -sort(-x) orders it */
+        const float *row = lg + b * E;
+        for (Py_ssize_t e = 0; e < E; e++) g[e] = (double)row[e];
+        top_k(g, (int)E, k + 1, kth, taken);
+        const float d = row[kth[0]] - row[kth[k]];
+        lam[b] = sf * d;
+        any |= lam[b] > 0;
+    }
+    if (!any) {
+        result = Py_False;
+        goto done;
+    }
+    memset(out, 0, (size_t)(B * E) * 4);
+    for (Py_ssize_t b = 0; b < B; b++)
+        for (int j = 0; j < size; j++) out[b * E + star[j]] = lam[b];
+    result = Py_True;
+done:
+    free(g);
+    if (vl.obj) PyBuffer_Release(&vl);
+    if (vw.obj) PyBuffer_Release(&vw);
+    if (va.obj) PyBuffer_Release(&va);
+    if (vo.obj) PyBuffer_Release(&vo);
+    Py_XINCREF(result);
+    return result;
+}
+
 static PyMethodDef predict_methods[] = {
     {"ae_predict", py_ae_predict, METH_VARARGS,
      "ae_predict(rows, layers, E, k, batch, strength, avail, rho, size) -> (plain, gated): each row's top-k as a "
      "set of (layer, expert), and (batch not None) the top-k under reuse-aware gating; None for rows it cannot read"},
+    {"reuse_bias", py_reuse_bias, METH_VARARGS,
+     "reuse_bias(logits, w, k, size, strength, rho, avail, out) -> bool: reuse-aware gating's bias for one layer "
+     "of a verification batch into out; False where there is none"},
     {NULL, NULL, 0, NULL},
 };
 

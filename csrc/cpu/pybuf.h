@@ -8,7 +8,7 @@
 
 #include "quant.h"
 
-/* A buffer with its element size checked: 'f' float32, 'i' int32, 'q' int64, 'B' raw bytes. */
+/* A buffer with its element size checked: 'f' float32, 'd' float64, 'i' int32, 'q' int64, 'B' raw bytes. */
 static inline int get_buf(PyObject *obj, Py_buffer *view, char kind, int writable, const char *what) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) {
@@ -18,7 +18,7 @@ static inline int get_buf(PyObject *obj, Py_buffer *view, char kind, int writabl
     if (kind != 'B') {
         const char *f = view->format ? view->format : "B";
         if (*f == '<' || *f == '=' || *f == '@') f++;
-        int ok = (kind == 'f' && f[0] == 'f' && view->itemsize == 4) ||
+        int ok = (kind == 'f' && f[0] == 'f' && view->itemsize == 4) || (kind == 'd' && f[0] == 'd' && view->itemsize == 8) ||
                  (kind == 'i' && (f[0] == 'i' || f[0] == 'l') && view->itemsize == 4) ||
                  (kind == 'q' && (f[0] == 'q' || f[0] == 'l') && view->itemsize == 8);
         if (!ok) {

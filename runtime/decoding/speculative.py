@@ -349,7 +349,8 @@ class SpeculativeDecoder:
             return TARGET
         s = self.settings
         rg = ReuseGating(self.top_k, s.reuse_cap_for(self.top_k), s.rg_variant, s.rg_strength,
-                         np.asarray(confidences), s.rg_residency, self._available)
+                         np.asarray(confidences), s.rg_residency, self._available,
+                         getattr(getattr(self.model, "ops", None), "reuse_bias", None))
         return RoutingPolicy(selection_bias=rg.bias)
 
     def _accept_chain(self, logits: np.ndarray, d: Draft, draws, base: int, offset: int = 0) -> tuple[int, int]:

@@ -277,6 +277,16 @@ class CpuOps(ReferenceOps):
         C-contiguous float32 buffer of E values: the caller's NumPy path decides."""
         return _cpu.ae_predict(rows, layers, rows[0].shape[-1], k, batch, strength, avail, rho, size)
 
+    def reuse_bias(self, logits: np.ndarray, w: np.ndarray, k: int, size: int, strength: float, rho: float,
+                   avail) -> np.ndarray | None:
+        """Reuse-aware gating's bias for one layer of a batch in one C call (csrc/cpu/predict.c),
+        the same bits as decoding/gating.py's NumPy path for the "paper" and "resident" variants
+        (tests/test_gating_kernel.py): logits [B, E] float32, w [B] float64 token weights, avail
+        [E] bool or None; None where that path returns None."""
+        out = np.empty(logits.shape, dtype=np.float32)
+        a = None if avail is None else np.ascontiguousarray(avail, dtype=np.bool_).view(np.uint8)
+        return out if _cpu.reuse_bias(logits, w, k, size, strength, rho, a, out) else None
+
     def experts(self, x: np.ndarray, groups, act, out: np.ndarray) -> np.ndarray:
         args = [_expert_args(g[0]) for g in groups]
         if None in args:  # float32 experts: BLAS, as above
