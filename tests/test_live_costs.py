@@ -216,6 +216,21 @@ def test_the_start_up_t_ar_is_what_the_run_s_ar_steps_cost_under_a_budget():
     engine.close()
 
 
+@pytest.mark.parametrize("prompt", [[], [7], [7, 8, 9]])
+def test_the_start_up_estimate_takes_prompts_shorter_than_its_steps(prompt):
+    """The estimate prefills the context, then times steps on its next tokens: a prompt with fewer
+    tokens than that is repeated (an empty one is token 0), never an error or an empty prefill."""
+    from s2moe.runtime.decoding.estimate import estimate_costs
+    from s2moe.runtime.model.routing import RoutingPolicy
+
+    engine = build_engine(str(DEFAULT_MODEL), "0.25", 64)
+    costs = estimate_costs(engine.model, prompt, RoutingPolicy(top_k=2))
+    for name in ("t_ar", "c_draft", "t_exp_miss", "t_exp_hit"):
+        value = getattr(costs, name)
+        assert np.isfinite(value) and value > 0, (name, costs)
+    engine.close()
+
+
 def test_the_fits_solver_is_imported_before_decoding_not_in_the_first_verification():
     """Importing scipy.optimize takes about 0.5 s here: done in the first verification it landed in
     the decode time `s2moe run` reports (a 256-token run of the default model, 1.5 s against 1.0)."""
