@@ -239,3 +239,22 @@ def test_greedy_tree_accepts_the_second_branch_and_moves_its_kv():
         assert committed == prompt + tokens[:-1]  # the stub's KV holds each slot's token id
     assert any(b == 1 and a >= 2 for b, a in branches), branches  # second branch, several tokens moved
     assert any(b == 0 for b, _ in branches), branches
+
+
+def test_a_verification_s_reuse_ratio_and_effective_cost_count_distinct_experts():
+    """Reuse ratio: distinct experts a layer loads over batch × k, averaged over layers; effective
+    cost: the experts the accepted rows needed over all loaded. Counted by hand on two layers."""
+    from s2moe.runtime.decoding.metrics import SpecMetrics
+    from s2moe.runtime.model.routing import LayerRouting, RoutingRecord
+
+    rec = RoutingRecord()
+    ones = np.ones((3, 2), np.float32)
+    rec.layers[0] = LayerRouting(np.zeros((3, 8), np.float32), np.array([[1, 2], [2, 3], [5, 6]]), ones)
+    rec.layers[2] = LayerRouting(np.zeros((3, 8), np.float32), np.array([[4, 4], [4, -1], [7, 4]]), ones)
+    m = SpecMetrics()
+    m.record_verification(rec, 3, [0, 1], drafted=2, accepted=1, top_k=2)
+    # layer 0: {1, 2, 3, 5, 6} = 5 of 6; layer 2: {4, -1, 7} = 3 of 6 (a dropped choice counts as one)
+    assert m.reuse_ratios == [pytest.approx((5 / 6 + 3 / 6) / 2)]
+    # accepted rows 0, 1: layer 0 needs {1, 2, 3}, layer 2 {4, -1}: 5 of the 8 loaded
+    assert m.effective_costs == [pytest.approx(5 / 8)]
+    assert (m.verifications, m.drafted, m.accepted) == (1, 2, 1)

@@ -302,4 +302,8 @@ PREFETCH: list[Mutation] = [
     Mutation("bias-kernel-lambda-in-doubles", "csrc/cpu/predict.c", "        lam[b] = sf * d;",
              "        lam[b] = (float)(strength * (double)d);", ["tests/test_gating_kernel.py", "-k", "random"],
              "the compiled gating bias rounds λ once from doubles: other bits than NumPy's float32 product"),
+    Mutation("metrics-effective-cost-all-rows", "runtime/decoding/metrics.py",
+             "            needed += len(set(experts[accepted_rows].ravel().tolist()))",
+             "            needed += len(set(experts.ravel().tolist()))", ["tests/test_speculative.py", "-k", "distinct"],
+             "the effective verification cost counts every row's experts, not the accepted rows'"),
 ]
