@@ -285,7 +285,7 @@ PREFETCH: list[Mutation] = [
              "        if self._pass_layers is None:", ["tests/test_decode_pass.py", "-k", "new_weights"],
              "the one-call pass keeps the arguments of weights the model no longer holds"),
     Mutation("guard-evidence-never-ages", "runtime/decoding/rate_guard.py",
-             "        (self.spec if not speculated else self.ar).age(self.age)", "        pass",
+             "        (self.spec if not speculated else self.ar).age(self.aging)", "        pass",
              ["tests/test_rate_guard.py", "-k", "turns_faster"],
              "the guard judges speculation after a hold on evidence from before it: holds keep doubling"),
     Mutation("estimate-t-ar-warm-repeat", "runtime/decoding/estimate.py",

@@ -36,6 +36,7 @@ def estimate_costs(model: MoEModel, prompt: list[int], draft_policy: RoutingPoli
     # 2.8-3.1 ms that the run then measured at a 25 % budget (embedded model), so AE admitted nothing
     # early and the rate guard saw speculation lose. So: prefill, one untimed step (code and buffers
     # warm), then ``reps`` steps on the context's next tokens, each committed.
+    reps = max(1, reps)
     seq = list(prompt[-16:]) or [0]
     while len(seq) < reps + 2:
         seq = seq + seq

@@ -55,7 +55,7 @@ class RateGuard:
         # evidence also ages with the run's iterations of the other kind: a side the guard keeps off
         # (speculation through a hold, AR between probes) would otherwise be judged on what it cost
         # 64 steps ago, against one fresh probe worth about 1/9 of it
-        self.age = 0.5 ** (1.0 / age_half_life) if age_half_life > 0 else 1.0
+        self.aging = 0.5 ** (1.0 / age_half_life) if age_half_life > 0 else 1.0
         self.margin, self.min_spec, self.min_ar = margin, min_spec, min_ar
         self.probe_every, self.max_hold, self.early_probe_every = probe_every, max_hold, early_probe_every
         self.hold, self.next_hold, self.since_ar = 0, self.BASE_HOLD, 0
@@ -78,7 +78,7 @@ class RateGuard:
         an AR step (whatever took it: the guard, AE's back-off)."""
         if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
-        (self.spec if not speculated else self.ar).age(self.age)
+        (self.spec if not speculated else self.ar).age(self.aging)
         if not speculated:
             self.ar.observe(tokens, seconds)
             self.since_ar = 0
