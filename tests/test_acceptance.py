@@ -37,6 +37,17 @@ def test_estimate_by_hand():
     assert [row["drafted"] for row in model.table()] == [4.0, 1.0]
 
 
+def test_each_observation_moves_the_estimate_at_once():
+    """`p` keeps the pooled counts between observations: an observation must drop them. Bin
+    [0.5, 0.6) never gets evidence here, so p(0.5) is the pooled rate (w = 2)."""
+    model = AcceptanceModel(half_life=float("inf"))
+    for n, (q, kept) in enumerate(((0.07, True), (0.95, False), (0.33, True), (0.33, False)), 1):
+        before = model.p(0.5)
+        model.observe(q, kept)
+        kept_so_far = sum(k for _, k in ((0.07, 1), (0.95, 0), (0.33, 1), (0.33, 0))[:n])
+        assert model.p(0.5) == pytest.approx((kept_so_far + 2 * 0.5) / (n + 2)) != before
+
+
 def test_old_verifications_fade():
     """half-life 1: each observation halves the weight of those before it."""
     model = AcceptanceModel(prior_weight=1.0, half_life=1.0)

@@ -155,11 +155,13 @@ def test_a_decoding_run_is_the_same_on_either_path(method, monkeypatch):
 
 
 def test_a_greedy_draft_tokens_probability_is_softmaxs_bit_for_bit(engine):
-    """`_pick` takes 1 / Σ exp(x − max) for the argmax instead of the whole softmax: the same bits."""
+    """`_pick`'s NumPy path takes 1 / Σ exp(x − max) for the argmax instead of the whole softmax: the
+    same bits. (The CPU kernels' pick is held to this path in tests/test_greedy_pick.py.)"""
     from s2moe.runtime.decoding.sampling import draws_for
     from s2moe.runtime.model.routing import softmax
 
     dec = SpeculativeDecoder(engine.model, get_method("s2moe"), SpecSettings(), COSTS)
+    dec._greedy_pick = None  # the NumPy path
     rng = np.random.default_rng(3)
     for trial in range(300):
         x = (rng.standard_normal(int(rng.integers(1, 7000))) * rng.uniform(0.01, 40)).astype(np.float32)

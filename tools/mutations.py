@@ -237,7 +237,7 @@ CORE: list[Mutation] = [
              "_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)",
              "_mm256_permute2f128_ps(h0, h1, 0x02), _mm256_permute2f128_ps(h0, h1, 0x13)",
              ["tests/test_kernels.py", "-k", "attention"], "the 8-slot reduction puts slots 4-7 first"),
-    Mutation("attend-exp-ln2-split", "csrc/cpu/attend.c", "r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);",
+    Mutation("attend-exp-ln2-split", "csrc/cpu/simd.h", "r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);",
              "r = _mm256_fmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);",
              ["tests/test_kernels.py", "-k", "attention"], "the vector exp adds the low half of n·ln2 instead of subtracting it"),
     Mutation("attend-tail-slots-dropped", "csrc/cpu/attend.c", "    for (long s = s0; s < S; s++) {\n        if (!ok[s]) {",

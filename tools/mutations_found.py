@@ -523,7 +523,7 @@ FOUND += [
     Mutation("acceptance-no-decay", "runtime/decoding/acceptance.py", "        self.accepted *= self.decay\n", "",
              ["tests/test_acceptance.py"], "old verifications never fade (accepted counts only)"),
     Mutation("acceptance-bin-left", "runtime/decoding/acceptance.py",
-             'return int(np.searchsorted(EDGES, q, side="right"))', 'return int(np.searchsorted(EDGES, q, side="left"))',
+             "return bisect_right(_EDGES, q)", 'return __import__("bisect").bisect_left(_EDGES, q)',
              ["tests/test_acceptance.py"], "a confidence on a bin edge counted in the bin below"),
     Mutation("acceptance-flag-unchecked", "runtime/decoding/methods.py",
              '        if self.acceptance not in ("learned", "confidence"):', "        if False:",

@@ -26,10 +26,13 @@ default `s2moe` method) the drafted batch steers the target's routing, so there 
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 
 # bin edges over the draft's confidence: finer at the low end, where the disagreement is
 EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+_EDGES = EDGES.tolist()  # `bin` bisects a list: searchsorted's per-call cost was most of `p` (a draft token each)
 
 
 class AcceptanceModel:
@@ -38,10 +41,11 @@ class AcceptanceModel:
         self.decay = 0.5 ** (1.0 / half_life)  # the run's recent verifications count most
         self.accepted = np.zeros(len(EDGES) + 1)
         self.drafted = np.zeros(len(EDGES) + 1)
+        self._sums: tuple | None = None  # (accepted, drafted) over every bin, until the next observation
 
     @staticmethod
     def bin(q: float) -> int:
-        return int(np.searchsorted(EDGES, q, side="right"))
+        return bisect_right(_EDGES, q)  # searchsorted(EDGES, q, side="right"), a NaN included (last bin)
 
     def observe(self, q: float, accepted: bool) -> None:
         """One verified draft token: its draft confidence and whether verification kept it."""
@@ -50,11 +54,14 @@ class AcceptanceModel:
         b = self.bin(q)
         self.accepted[b] += float(accepted)
         self.drafted[b] += 1.0
+        self._sums = None
 
     def p(self, q: float) -> float:
         """P(accepted | confidence q, the tokens before it accepted)."""
         w = self.prior_weight
-        pooled = (self.accepted.sum() + w * q) / (self.drafted.sum() + w)
+        if self._sums is None:  # AE asks for every draft token, the counts change once a verification
+            self._sums = (self.accepted.sum(), self.drafted.sum())
+        pooled = (self._sums[0] + w * q) / (self._sums[1] + w)
         b = self.bin(q)
         return float((self.accepted[b] + w * pooled) / (self.drafted[b] + w))
 

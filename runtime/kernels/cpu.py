@@ -277,6 +277,15 @@ class CpuOps(ReferenceOps):
         C-contiguous float32 buffer of E values: the caller's NumPy path decides."""
         return _cpu.ae_predict(rows, layers, rows[0].shape[-1], k, batch, strength, avail, rho, size)
 
+    @staticmethod
+    def greedy_pick(logits: np.ndarray) -> tuple[int, float] | None:
+        """A greedy draft token in one C call (csrc/cpu/predict.c): (the first maximum of ``logits``
+        [V], its softmax probability), the same token as NumPy's argmax and the probability to about
+        1e-6 (tests/test_greedy_pick.py); None for logits that are not C-contiguous float32."""
+        if logits.dtype != np.float32 or not logits.flags.c_contiguous or logits.size == 0:
+            return None
+        return _cpu.greedy_pick(logits)
+
     def reuse_bias(self, logits: np.ndarray, w: np.ndarray, k: int, size: int, strength: float, rho: float,
                    avail) -> np.ndarray | None:
         """Reuse-aware gating's bias for one layer of a batch in one C call (csrc/cpu/predict.c),

@@ -95,6 +95,8 @@ class MoEModel:
         self._inv_freq, self._rope_factor = rope.inv_freq_and_factor(self.config)
         self._attention_kind = ATTENTION[self.config.attention]
         self._rope_one: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> its cos, sin
+        self._all_visible = np.ones((1, 0), dtype=bool)  # `_visibility` of a decode token: every slot
+        self._windows = {self.config.window_of(L) for L in range(self.config.num_layers)}  # GPT-OSS: sliding and full layers
         self.split: TimeSplit | _NoSplit = _NoSplit()
         self._draft_heads: dict[tuple[int, str], DraftHead] = {}
         # a decode token's MoE layer in one C call (`_moe_step`): where the CPU kernels, a cache
@@ -270,7 +272,7 @@ class MoEModel:
         c = self.config
         return (bool(self._pass_layers) and policy.selection_bias is None and isinstance(self.split, _NoSplit)
                 and (head is None or _stored(head.weight)) and kv.keys[0].dtype == np.float32
-                and len({policy.k_for(L, c.top_k) for L in range(c.num_layers)}) == 1)
+                and (not policy.layer_top_k or len({policy.k_for(L, c.top_k) for L in range(c.num_layers)}) == 1))
 
     def _one_call(self, h, kv: KVCache, start: int, cs, vis, policy: RoutingPolicy, rec: RoutingRecord | None,
                   head: DraftHead | None, first: int = 0):
@@ -289,10 +291,12 @@ class MoEModel:
         experts = np.empty((n - first, k), np.int64)
         done = self.ops.decode_pass(c, h, layers, cs, vis, start, k, policy.fallback == "best", self.act,
                                     self.W["norm"], lm, logits, scores, experts, weights)
-        for i in range(done):
-            if rec is not None:
+        if rec is not None:
+            for i in range(done):
                 rec.layers[first + i] = LayerRouting(scores[i:i + 1], experts[i:i + 1], weights[i:i + 1])
-            self.experts.note_resident(first + i, sorted(e for e in experts[i].tolist() if e >= 0))
+        if done:
+            self.experts.note_resident_keys([(first + i, e) for i, row in enumerate(experts[:done].tolist())
+                                             for e in sorted(row) if e >= 0])
         return first + done, (logits if first + done == n else None)
 
     def _dense_mlp(self, L: int, x: np.ndarray, kind: str = "mlp_") -> np.ndarray:
@@ -305,7 +309,10 @@ class MoEModel:
         """[T, start + T] bool: which cache slots each new token attends to."""
         S = start + T
         if T == 1 and tree_mask is None and not window:  # a decode token sees every slot
-            return np.ones((1, S), dtype=bool)
+            if self._all_visible.shape[1] < S:  # one read-only row, grown as needed, viewed per pass
+                self._all_visible = np.ones((1, max(S, 2 * self._all_visible.shape[1])), dtype=bool)
+                self._all_visible.flags.writeable = False
+            return self._all_visible[:, :S]
         allowed = np.ones((T, S), dtype=bool)
         if tree_mask is None:
             allowed[:, start:] = np.tril(np.ones((T, T), dtype=bool))
@@ -364,9 +371,8 @@ class MoEModel:
                 (tokens.min(initial=0) < 0 or tokens.max(initial=0) >= c.vocab_size):
             raise ValueError(f"token id outside the vocabulary 0..{c.vocab_size - 1}")
         pos = np.arange(start, start + T) if positions is None else np.asarray(positions, dtype=np.int64)
-        windows = {c.window_of(L) for L in range(c.num_layers)}  # GPT-OSS: sliding and full layers
         cos, sin = self._rope(pos)
-        masks = {w: self._visibility(start, T, pos, tree_mask, w) for w in windows}
+        masks = {w: self._visibility(start, T, pos, tree_mask, w) for w in self._windows}
         if self.backend.on_device:  # the pass's host data goes up in one copy
             ids, (cos, sin), masks = self.backend.to_device_together([tokens, [cos, sin], masks])
         else:

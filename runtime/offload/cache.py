@@ -297,11 +297,17 @@ class ExpertCache:
         """A pass computed ``experts``, all resident, from `resident_table`: `stream`'s bookkeeping."""
         self._look_up(layer, experts)
 
-    def _look_up(self, layer: int, experts: Sequence[int]):
-        """A pass asks for ``experts``: note them (the pass's keys, the draft's predictions, the
-        trace), touch the resident ones and count hits and misses. (stats, keys, hits, missing)."""
+    def note_resident_keys(self, keys: list[Key]) -> None:
+        """`note_resident` of several layers at once, ``keys`` in the order the layers ran (a one-call
+        pass: one bookkeeping call instead of one a layer)."""
+        self._look_up(None, keys)
+
+    def _look_up(self, layer: int | None, experts: Sequence[int]):
+        """A pass asks for ``experts`` of ``layer`` (None: ``experts`` are (layer, expert) keys):
+        note them (the pass's keys, the draft's predictions, the trace), touch the resident ones
+        and count hits and misses. (stats, keys, hits, missing)."""
         stats = self.stats[self.phase]
-        keys = [(layer, int(e)) for e in experts]
+        keys = [(layer, int(e)) for e in experts] if layer is not None else experts
         if self.phase == "draft" and self.prefetch_slots:  # the draft's next tokens route among these
             self._predicted.update(keys)
         if self._pass_keys is not None:
@@ -528,9 +534,10 @@ class ExpertCache:
             base.flags.writeable = False
             self._avail[key] = base
         mask = base.copy()
-        for L, e in self._prefetched:
-            if L in row:
-                mask[row[L], e] = True
+        inflight = [(row[L], e) for L, e in self._prefetched if L in row]
+        if inflight:  # one assignment: one per guess in flight was most of this call
+            rows_in, cols_in = zip(*inflight)
+            mask[list(rows_in), list(cols_in)] = True
         return mask
 
     def available_mask(self, layer: int, num_experts: int):

@@ -17,6 +17,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -155,6 +156,7 @@ class FileReader:
         self.direct_files: dict[str, bool] = {}
         self._fds: dict[str, int] = {}
         self._identity: dict[str, tuple[int, int]] = {}  # (size, mtime) when opened
+        self._checked: dict[str, float] = {}  # when each file last passed `check_unchanged`
         self._lock = threading.Lock()
 
     def fd(self, path: str) -> int:
@@ -211,12 +213,18 @@ class FileReader:
         """One `TensorRef`'s bytes."""
         return self.read(ref.path, ref.offset, ref.nbytes, f"tensor {ref.name}")
 
-    def check_unchanged(self, path: str, where: str) -> None:
-        """A file rewritten in place under us would silently change the weights: refuse instead."""
+    def check_unchanged(self, path: str, where: str, landed: float | None = None) -> None:
+        """A file rewritten in place under us would silently change the weights: refuse instead.
+        ``landed``: when the read being checked finished (`time.perf_counter`); a check of the
+        file that passed after that covers it, so a layer's reads landed together cost one fstat."""
+        if landed is not None and self._checked.get(path, -1.0) >= landed:
+            return
+        t = time.perf_counter()
         st = os.fstat(self._fds[path])
         if (st.st_size, st.st_mtime_ns) != self._identity[path]:
             raise ExpertReadError(f"{path}: the model file changed while running (size or mtime differs) while "
                                   f"reading {where}; restart with the new file")
+        self._checked[path] = t
 
     def close(self) -> None:
         for fd in self._fds.values():
