@@ -265,10 +265,11 @@ done:
 /* greedy_pick(logits) -> (token, p): a greedy draft token, the first maximum of float32 logits [V] (a
  * NaN, the first one, as NumPy's argmax), and its softmax probability 1 / Σ_v exp(x_v − max)
  * (speculative.py `_pick`). NumPy's path allocates and runs five passes over the row, 55–70 µs of a
- * 700 µs draft pass inside runs on the embedded model; this is one pass for the maximum and one for
- * the sum, whose exps are float32 (AVX2: simd.h `exp_neg8`, relative error about 1e-7) summed in
- * float32 over short runs and in doubles across them, so p matches NumPy's to about 1e-6 (tests/test_greedy_pick.py). p is NaN where NumPy's is:
- * a NaN logit, or a maximum that is ±inf. */
+ * 700 µs draft pass inside runs on the embedded model. This is a pass for the maximum, a scan for
+ * its first place and a pass for the sum, whose exps are float32 (AVX2: simd.h `exp_neg8`, relative
+ * error about 1e-7) summed in float32 over short runs and in doubles across them, so p matches
+ * NumPy's to about 1e-6 (tests/test_greedy_pick.py). p is NaN where NumPy's is: a NaN logit, or a
+ * maximum that is ±inf. */
 #ifdef HAVE_AVX2_PATH
 /* the largest of x[0..V) into *m; 1 if x holds a NaN (then *m is meaningless) */
 AVX2 static int max_avx2(const float *x, Py_ssize_t V, float *m) {

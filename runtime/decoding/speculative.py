@@ -213,10 +213,11 @@ class SpeculativeDecoder:
     def _pick(self, logits: np.ndarray, draws, position: int) -> tuple[int, float, np.ndarray | None]:
         """Draft token at ``position`` from draft logits: (token, its probability, the law standard
         verification needs, else None)."""
-        if self.params.greedy:  # softmax's value at the argmax is 1 / Σ exp(x − max): the same bits, a pass less
-            fast = self._greedy_pick(logits) if self._greedy_pick else None  # one C call (CPU kernels)
+        if self.params.greedy:  # softmax's value at the argmax is 1 / Σ exp(x − max)
+            fast = self._greedy_pick(logits) if self._greedy_pick else None  # one C call (CPU kernels): to 1e-6
             if fast is not None:
                 return fast[0], fast[1], None
+            # NumPy: softmax's bits, a pass less (the reference the kernel is held to)
             z = logits.astype(np.float64)
             z -= z.max()
             return int(np.argmax(logits)), float(1.0 / np.exp(z, out=z).sum()), None
