@@ -70,10 +70,10 @@ class ReuseGating:
             return None
         avail = self.available(layer) if self.variant == "resident" and self.available is not None else None
         if (self.kernel is not None and self.variant != "code" and self.confidences is not None
-                and logits.dtype == np.float32 and logits.flags.c_contiguous):
-            if self.confidences.shape == (B,):  # about 15 NumPy calls a layer, 12 % of a verification, in one
-                return self.kernel(logits, self.confidences, k, min(max(self.cap, k), E), self.strength,
-                                   self.residency, avail)
+                and self.confidences.shape == (B,) and logits.dtype == np.float32 and logits.flags.c_contiguous):
+            # about 15 NumPy calls a layer, 12 % of a verification, in one
+            return self.kernel(logits, self.confidences, k, min(max(self.cap, k), E), self.strength,
+                               self.residency, avail)
         w = self.weights(logits)
         if not np.any(w > 0):
             return None

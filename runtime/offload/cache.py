@@ -277,7 +277,7 @@ class ExpertCache:
         held = self.held
         if not all((layer, e) in held for e in experts):
             return None
-        return self._look_up(layer, experts)[2]
+        return self._look_up([(layer, int(e)) for e in experts])[2]
 
     def resident_table(self, layer: int, num_experts: int, convert) -> list:
         """[E]: ``convert(weights)`` of each resident expert of ``layer``, None for the others, kept
@@ -295,19 +295,17 @@ class ExpertCache:
 
     def note_resident(self, layer: int, experts: Sequence[int]) -> None:
         """A pass computed ``experts``, all resident, from `resident_table`: `stream`'s bookkeeping."""
-        self._look_up(layer, experts)
+        self._look_up([(layer, int(e)) for e in experts])
 
     def note_resident_keys(self, keys: list[Key]) -> None:
         """`note_resident` of several layers at once, ``keys`` in the order the layers ran (a one-call
         pass: one bookkeeping call instead of one a layer)."""
-        self._look_up(None, keys)
+        self._look_up(keys)
 
-    def _look_up(self, layer: int | None, experts: Sequence[int]):
-        """A pass asks for ``experts`` of ``layer`` (None: ``experts`` are (layer, expert) keys):
-        note them (the pass's keys, the draft's predictions, the trace), touch the resident ones
-        and count hits and misses. (stats, keys, hits, missing)."""
+    def _look_up(self, keys: list[Key]):
+        """A pass asks for ``keys``: note them (the pass's keys, the draft's predictions, the
+        trace), touch the resident ones and count hits and misses. (stats, keys, hits, missing)."""
         stats = self.stats[self.phase]
-        keys = [(layer, int(e)) for e in experts] if layer is not None else experts
         if self.phase == "draft" and self.prefetch_slots:  # the draft's next tokens route among these
             self._predicted.update(keys)
         if self._pass_keys is not None:
@@ -334,7 +332,7 @@ class ExpertCache:
         """Groups of (expert, weights): the resident ones first (the first reads already queued),
         then the missing ones in the order their reads complete, at most ``window`` (default: the
         cache's) in flight."""
-        stats, keys, hits, missing = self._look_up(layer, experts)
+        stats, keys, hits, missing = self._look_up([(layer, int(e)) for e in experts])
         if not missing:
             if hits:
                 yield hits
