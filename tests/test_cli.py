@@ -254,7 +254,7 @@ def test_no_rate_guard_reaches_the_decoder(command, tiny_model_dirs, tmp_path):
         return json.loads(out.read_text())["records"][0]["rate_guard"]
 
     on = guard()
-    assert set(on) == {"holds", "held_steps", "probes", "ms_per_token"}
+    assert set(on) == {"holds", "held_steps", "probes", "kept_per_expected", "ms_per_token"}
     assert guard("--no-rate-guard") is None
 
 

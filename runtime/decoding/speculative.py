@@ -45,6 +45,16 @@ def marginal_verification_cost(new_experts: set[Key], state, costs: CostConstant
     return sum(costs.expert_cost(state(key)) for key in new_experts)
 
 
+def _expected_tokens(p_accept: list[float]) -> float:
+    """Tokens a verification of this branch emits by AE's acceptance model: the bonus token plus
+    each drafted token's probability that it and every one before it are kept."""
+    total, prefix = 1.0, 1.0
+    for p in p_accept:
+        prefix *= p
+        total += prefix
+    return total
+
+
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
@@ -558,6 +568,7 @@ class SpeculativeDecoder:
                 kv.rollback(P)  # context alignment: draft KV never reaches the committed cache
             if not branches[0].tokens:  # nothing admitted: the verification is a plain AR step
                 self.metrics.empty_drafts += 1
+            expected = _expected_tokens(branches[0].p_accept)  # (before verification: for the guard)
             accepted, nxt = self._verify(root, P, branches, kv, draws, len(out))
             if not m.share_kv:
                 # the draft cache is valid up to the accepted tokens only if it holds the accepted
@@ -568,7 +579,7 @@ class SpeculativeDecoder:
             done = emit(accepted + [nxt])
             self._cascade_observe(length, len(accepted) + 1, time.perf_counter() - started)
             if self.guard is not None:
-                self.guard.observe(True, len(accepted) + 1, time.perf_counter() - started)
+                self.guard.observe(True, len(accepted) + 1, time.perf_counter() - started, expected)
         decode = time.perf_counter() - t1
         if self.draft_head is not None:  # which emitted tokens the draft head could have proposed
             self.metrics.draft_vocab = self.draft_head.size
