@@ -96,6 +96,21 @@ def test_a_share_budget_holds_that_share_of_the_stored_experts(wide_model):
     assert only.expert_capacity == 96 << 20
 
 
+def test_a_draft_head_takes_its_room_from_the_experts_not_from_beside_them(wide_model):
+    """S²-MoE with a FR-Spec head and AR without one, at the same budget, plan the same total: the
+    head's rows come out of the expert cache whether the budget is a share or bytes. An expert
+    budget the user set is the experts' alone, so there the head comes on top."""
+    loaded = load_model(wide_model, dense=False)
+    head = 3 << 20
+    for budget in ("0.25", "160m"):
+        plain = plan_memory(loaded, Budget.parse(budget), 256, baseline=0)
+        drafted = plan_memory(loaded, Budget.parse(budget), 256, baseline=0, draft_head=head)
+        assert drafted.total == plain.total, budget
+        assert drafted.expert_capacity == plain.expert_capacity - head, budget
+    only = plan_memory(loaded, Budget.parse("1.0"), 256, expert_budget=Budget.parse("32m"), baseline=0, draft_head=head)
+    assert only.expert_capacity == 32 << 20
+
+
 def test_a_budget_below_the_dense_part_names_the_smallest_that_works(wide_model):
     loaded = load_model(wide_model, dense=False)
     with pytest.raises(UsageError) as exc:

@@ -339,4 +339,7 @@ PREFETCH: list[Mutation] = [
     Mutation("guard-not-told-expectation", "runtime/decoding/speculative.py",
              "time.perf_counter() - started, expected)", "time.perf_counter() - started)",
              ["tests/test_rate_guard.py", "-k", "guarded_decoder"], "the decoder never gives the guard AE's expectation"),
+    Mutation("share-budget-head-beside", "runtime/offload/memory.py",
+             "        capacity = max(0, share_of_experts(budget) - draft_head)", "        capacity = share_of_experts(budget)",
+             ["tests/test_memory.py", "-k", "draft_head"], "a share budget gives a method with a draft head more memory than one without"),
 ]
