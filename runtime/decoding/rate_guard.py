@@ -87,7 +87,7 @@ class RateGuard:
         drafted tokens' prefix acceptance probabilities). How many drafted tokens one iteration
         keeps swings its rate several-fold, so a decision on one iteration (the probe after a hold)
         was a coin toss: on a simulated clock where speculation was 1.15× faster than AR, the holds
-        still took a median 80 of 378 steps (208 at p90; tests/test_rate_guard.py). The rate counts
+        still took a median 81 of 378 steps (219 at p90; benchmarks/guard_sim.py). The rate counts
         the expectation instead, scaled by the tokens iterations kept against what AE expected over
         a long memory (half-life ``calibration_half_life`` iterations, starting from
         ``calibration_prior`` tokens as expected), so it stays unbiased where AE is not calibrated.

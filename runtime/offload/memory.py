@@ -189,7 +189,8 @@ def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_bu
     elif budget.share is not None:
         # a draft head's rows come out of the experts' share, as prefetches take their room in the
         # cache, so every method runs in the same memory. On top of it, the embedded model's 1 MiB
-        # head at 25 % looked a 4-10 % gain; out of the share it cost 9-16 % (docs/performance)
+        # head at 25 % looked a gain on two of three workloads; out of the share it cost 9-15 % on
+        # all three (docs/performance/s2moe-draft.md)
         capacity = max(0, share_of_experts(budget) - draft_head)
     else:
         capacity = budget.total_bytes - rest
