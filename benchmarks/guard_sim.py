@@ -27,10 +27,11 @@ RATIOS = (0.75, 0.87, 1.0, 1.15, 1.4)
 TELLS = (("realized", None), ("expected", 1.0), ("expected x0.87", 0.87), ("expected x1.15", 1.15))
 
 
-def run(seed: int, ratio: float, bias: float | None, tokens: int, keep: float, drafted: int,
-        ar_ms: float = 1.5) -> tuple[float, int]:
-    """(the run's time over the better way's, AR steps taken)."""
-    rng, guard = random.Random(seed), RateGuard()
+def run(seed: int, ratio: float, bias: float | None, tokens: int = 378, keep: float = 0.72, drafted: int = 5,
+        ar_ms: float = 1.5, guard: RateGuard | None = None) -> tuple[float, int]:
+    """(the run's time over the better way's, AR steps taken); ``bias`` None: the guard is told the
+    tokens kept, else AE's expectation × ``bias``. tests/test_rate_guard.py drives its guards here."""
+    rng, guard = random.Random(seed), guard or RateGuard()
     mean = sum(keep ** i for i in range(drafted + 1))  # tokens an iteration emits on average
     spent = 0.0
     emitted = ar_steps = 0

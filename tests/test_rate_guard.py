@@ -4,8 +4,9 @@ On synthetic clocks, then inside a decoder (greedy text stays AR's)."""
 
 from __future__ import annotations
 
-import random
+import os
 import statistics
+import sys
 
 import pytest
 
@@ -15,6 +16,9 @@ from s2moe.runtime.decoding.methods import SpecSettings, get_method
 from s2moe.runtime.decoding.rate_guard import RateGuard
 from s2moe.runtime.decoding.speculative import SpeculativeDecoder, _expected_tokens
 from s2moe.runtime.engine import build_engine
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import guard_sim  # noqa: E402
 
 
 def _drive(guard: RateGuard, iterations: int, spec_ms: float, ar_ms: float, spec_tokens: int = 3) -> list[bool]:
@@ -117,28 +121,13 @@ def test_observations_that_measure_nothing_are_ignored(tokens, seconds):
     assert g.spec.n == g.ar.n == 0
 
 
-def _drive_kept(guard: RateGuard, seed: int, spec_over_ar: float, tokens: int = 378, bias: float = 1.0,
-                expected: bool = True, ar_ms: float = 1.5, keep: float = 0.72, drafted: int = 5) -> int:
-    """A run on a clock where each speculative iteration drafts ``drafted`` tokens, keeps each in turn
-    with probability ``keep`` (the realized count swings 1..6) and takes the same time whatever it
-    keeps, so that speculation costs ``spec_over_ar`` × AR's time per token on average. ``expected``:
-    the guard gets AE's expectation of the iteration's tokens (× ``bias``, a miscalibrated AE).
-    Returns the AR steps taken (held, probed)."""
-    rng = random.Random(seed)
-    mean = sum(keep ** i for i in range(drafted + 1))
-    ar_steps = emitted = 0
-    while emitted < tokens:
-        if guard.speculate():
-            kept = 1
-            while kept <= drafted and rng.random() < keep:
-                kept += 1
-            seconds = spec_over_ar * ar_ms * mean * rng.uniform(0.8, 1.2) / 1e3
-            guard.observe(True, kept, seconds, mean * bias if expected else None)
-            emitted += kept
-        else:
-            guard.observe(False, 1, ar_ms * rng.uniform(0.9, 1.1) / 1e3)
-            ar_steps, emitted = ar_steps + 1, emitted + 1
-    return ar_steps
+def _drive_kept(guard: RateGuard, seed: int, spec_over_ar: float, bias: float = 1.0, expected: bool = True) -> int:
+    """AR steps of a 378-token run on the simulated clock of benchmarks/guard_sim.py: each
+    speculative iteration drafts 5 tokens and keeps each in turn with probability 0.72 (the count
+    swings 1..6) in the same time whatever it keeps, so that speculation costs ``spec_over_ar`` ×
+    AR's time per token on average. ``expected``: the guard gets AE's expectation of the
+    iteration's tokens (× ``bias``, a miscalibrated AE), else the tokens it kept."""
+    return guard_sim.run(seed, spec_over_ar, bias if expected else None, guard=guard)[1]
 
 
 def test_faster_speculation_is_not_held_on_one_unlucky_iteration():
