@@ -337,7 +337,7 @@ PREFETCH: list[Mutation] = [
              "        prefix *= p\n        total += prefix", "        total += p",
              ["tests/test_rate_guard.py", "-k", "prefix"], "AE's expected tokens sum each token's own probability, not its prefix's"),
     Mutation("guard-not-told-expectation", "runtime/decoding/speculative.py",
-             "time.perf_counter() - started, expected)", "time.perf_counter() - started)",
+             "started,\n                                   _expected_tokens(branches[0].p_accept))", "started)",
              ["tests/test_rate_guard.py", "-k", "guarded_decoder"], "the decoder never gives the guard AE's expectation"),
     Mutation("share-budget-head-beside", "runtime/offload/memory.py",
              "        capacity = max(0, share_of_experts(budget) - draft_head)", "        capacity = share_of_experts(budget)",

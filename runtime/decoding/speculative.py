@@ -568,7 +568,6 @@ class SpeculativeDecoder:
                 kv.rollback(P)  # context alignment: draft KV never reaches the committed cache
             if not branches[0].tokens:  # nothing admitted: the verification is a plain AR step
                 self.metrics.empty_drafts += 1
-            expected = _expected_tokens(branches[0].p_accept)  # (before verification: for the guard)
             accepted, nxt = self._verify(root, P, branches, kv, draws, len(out))
             if not m.share_kv:
                 # the draft cache is valid up to the accepted tokens only if it holds the accepted
@@ -579,7 +578,8 @@ class SpeculativeDecoder:
             done = emit(accepted + [nxt])
             self._cascade_observe(length, len(accepted) + 1, time.perf_counter() - started)
             if self.guard is not None:
-                self.guard.observe(True, len(accepted) + 1, time.perf_counter() - started, expected)
+                self.guard.observe(True, len(accepted) + 1, time.perf_counter() - started,
+                                   _expected_tokens(branches[0].p_accept))
         decode = time.perf_counter() - t1
         if self.draft_head is not None:  # which emitted tokens the draft head could have proposed
             self.metrics.draft_vocab = self.draft_head.size
