@@ -52,7 +52,7 @@ def run_plan(loaded, budget: str | None, ctx: int, draft_cap: int, backend, kern
     ops = select_ops(kernels, None, backend)
     return plan_memory(loaded, parsed, kv_positions(ctx, draft_cap), batch=batch(ctx, draft_cap), window=4,
                        reference_kernels=ops.name == "numpy", expert_bytes=expert_size(backend), direct=True,
-                       draft_head=draft_head_bytes(loaded, draft_vocab),
+                       draft_head=draft_head_bytes(loaded, draft_vocab, backend.on_device),
                        staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if backend.on_device else 0)
 
 

@@ -115,7 +115,7 @@ def predict(
         # head's rows to experts too, so under a byte budget its replay may count a few misses too many
         plan = plan_memory(loaded, parsed, context + 2 * max(cap, 8) + 2, batch=max(min(context, 64), 1 + 2 * cap),
                            expert_bytes=(lambda refs: refs.resident_bytes_for(not on_device)),
-                           draft_head=draft_head_bytes(loaded, int(settings.get("draft_vocab") or 0)),
+                           draft_head=draft_head_bytes(loaded, int(settings.get("draft_vocab") or 0), on_device),
                            staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if on_device else 0)
         capacity = None if plan.expert_capacity >= plan.expert_total else plan.expert_capacity
         if capacity is not None and sum(map(size, hot)) > capacity:  # another budget than the profile's

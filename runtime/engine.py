@@ -98,8 +98,8 @@ def build_engine(
     The memory plan is made before the dense part is read (``loaded`` may come without it:
     `load_model(path, dense=False)`), so a budget too small for it fails in one line first.
     ``preload``: when every expert fits, read them all now (the CLI's runs start warm).
-    ``draft_vocab``: lm-head rows a FR-Spec draft head copies (model/draft_head.py), planned with
-    the dense part.
+    ``draft_vocab``: lm-head rows a FR-Spec draft head uses (model/draft_head.py); a copy of them,
+    where it needs one, is planned with the dense part.
     ``prefetch_slots``: experts a draft may have in flight for verification (default 2 × top-k
     under a budget, 0 when every expert is resident). They take their room in the expert cache, not
     in the plan, so every method runs in the same memory."""
@@ -121,7 +121,7 @@ def build_engine(
     slots = default_prefetch_slots(loaded.config, everything) if prefetch_slots is None else prefetch_slots
     plan = plan_memory(loaded, parsed, kv_positions, experts_only, batch=batch, window=window,
                        reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
-                       draft_head=draft_head_bytes(loaded, draft_vocab), staged_prefetches=slots if backend.on_device else 0)
+                       draft_head=draft_head_bytes(loaded, draft_vocab, backend.on_device), staged_prefetches=slots if backend.on_device else 0)
     release_freed_memory_promptly()
     if backend.on_device and hasattr(backend, "limit_memory"):  # the budget binds on the device too;
         # slack for the pool's allocation rounding and cuBLAS workspaces
@@ -169,11 +169,15 @@ def default_prefetch_slots(config, everything_resident: bool) -> int:
     return 0 if everything_resident else 2 * config.top_k
 
 
-def draft_head_bytes(loaded: LoadedModel, n: int) -> int:
-    """What a draft head of ``n`` tokens holds: that share of the lm head's rows, as resident."""
+def draft_head_bytes(loaded: LoadedModel, n: int, on_device: bool = False) -> int:
+    """What a draft head of ``n`` tokens holds beside the lm head. None on the host where the head
+    stays stored: its rows are then a view of the full head's, stored in rank order
+    (`MoEModel.draft_head`). Elsewhere a copy of that share of the rows."""
     if n <= 0:
         return 0
     head = loaded.dense_specs["lm_head"]
+    if not on_device and head.keeps_stored:
+        return 0
     return -(-head.resident_bytes(False) * n // loaded.config.vocab_size)
 
 

@@ -4,8 +4,9 @@ frequent tokens, verification keeps the full head.
 Pinned down: the head's logits are the full head's on its tokens (C kernels and the NumPy path),
 −inf elsewhere; greedy output of every lossless method equals AR's while the target emits tokens the
 head cannot propose; sampled verification keeps the target's law exactly when the draft's law has
-no mass outside the head (both samplers, chi-square as in test_sampled_speculation); the memory plan
-counts the copied rows; bad ranks files end in one line; `s2moe vocab` counts and ranks.
+no mass outside the head (both samplers, chi-square as in test_sampled_speculation); on the host the
+head is a view of the full head's rows, stored in rank order in place (the target's logits and a tied
+embedding unchanged), so the memory plan holds nothing for it, and copies elsewhere are planned; bad ranks files end in one line; `s2moe vocab` counts and ranks.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.decoding.methods import SpecSettings, get_method
 from s2moe.runtime.decoding.sampling import SamplingParams
 from s2moe.runtime.decoding.speculative import SpeculativeDecoder
-from s2moe.runtime.engine import build_engine
-from s2moe.runtime.model.draft_head import (DraftHead, RANKS_FILE, count_tokens, load_token_ranks, ranks_document,
-                                            write_ranks)
+from s2moe.runtime.engine import build_engine, draft_head_bytes
+from s2moe.runtime.model.draft_head import (DraftHead, RANKS_FILE, count_tokens, load_token_ranks, permute_rows,
+                                            ranks_document, write_ranks)
 from s2moe.runtime.model.routing import RoutingPolicy
 from s2moe.runtime.kernels.stored import DeviceStored, StoredMatrix
 
@@ -45,21 +46,86 @@ def _ranks_for(folder, vocab: int, seed: int = 0) -> None:
 def test_draft_head_logits_are_the_full_heads_on_its_tokens(kernels):
     engine = build_engine(str(DEFAULT_MODEL), kernels=kernels)
     m = engine.model
+    policy = RoutingPolicy(top_k=2)
+    before = m.forward(PROMPT, m.new_cache(32), policy=policy, logits="all")[0]  # rows in token order
     head = m.draft_head(1000)
     ranks = load_token_ranks(str(DEFAULT_MODEL / RANKS_FILE), m.config.vocab_size)
-    assert np.array_equal(head.ids, np.sort(ranks[:1000]))  # the 1000 most frequent, ascending
-    policy = RoutingPolicy(top_k=2)
+    assert np.array_equal(head.ids, ranks[:1000])  # the 1000 most frequent, in the rows' (rank) order
+    # no bytes of its own: the full head's first rows, which are now stored in rank order
+    assert np.shares_memory(head.weight.data, m.W["lm_head"].data)
     outs = []
     for h in (None, head):
         kv = m.new_cache(32)
         outs.append(m.forward(PROMPT, kv, policy=policy, logits="all", head=h)[0])
     full, sub = outs
+    # the target's logits come back in token order: the permutation changes nothing it computes
+    np.testing.assert_allclose(full, before, rtol=0, atol=0 if kernels == "cpu" else 1e-5)
     inside = np.zeros(m.config.vocab_size, bool)
     inside[head.ids] = True
     assert np.all(np.isneginf(sub[:, ~inside]))
     # the same rows times the same activations: the C kernel computes each row alone (exact); the
     # NumPy path decodes in chunks of other sizes, so BLAS may sum in another order (float32 rounding)
     np.testing.assert_allclose(sub[:, inside], full[:, inside], rtol=0, atol=0 if kernels == "cpu" else 1e-5)
+
+
+def test_rows_are_permuted_in_place_as_a_copy_would_order_them():
+    rng = np.random.default_rng(3)
+    W = StoredMatrix.from_float(rng.standard_normal((50, 64)).astype(np.float32), "Q8_0")
+    order = rng.permutation(50)
+    order[:5] = [0, 2, 1, 3, 4]  # fixed points and a 2-cycle beside the long cycles
+    order = np.concatenate([order[:5], rng.permutation(np.setdiff1d(np.arange(50), order[:5]))])
+    want = W.rows(order).dequantize()
+    buffer = W.data
+    got = permute_rows(W, order)
+    assert got is W and got.data is buffer  # no second head in memory
+    np.testing.assert_array_equal(got.dequantize(), want)
+    frozen = StoredMatrix.from_float(rng.standard_normal((50, 64)).astype(np.float32), "F16")
+    frozen.data.flags.writeable = False  # a read-only buffer is copied, never written
+    np.testing.assert_array_equal(permute_rows(frozen, order).dequantize(), frozen.dequantize()[order])
+
+
+def test_a_tied_embedding_is_looked_up_through_the_rank_order():
+    """A tied head is the embedding's matrix: permuting its rows must not move what a token embeds
+    to. (The default model's head stands in for a tied embedding here.)"""
+    engine = build_engine(str(DEFAULT_MODEL))
+    m = engine.model
+    m.W["embed"] = m.W["lm_head"]
+    before = m.forward(PROMPT, m.new_cache(32), logits="all")[0]
+    head = m.draft_head(1000)
+    assert m.W["embed"] is m.W["lm_head"] and np.shares_memory(head.weight.data, m.W["embed"].data)
+    np.testing.assert_array_equal(m.forward(PROMPT, m.new_cache(32), logits="all")[0], before)
+
+
+def test_models_on_one_loaded_model_share_the_rows_order():
+    """`bench` builds an engine per method on one loaded model: the weights, and so the order of
+    the head's rows, are theirs together. A head built by one model must neither scramble another's
+    logits nor be permuted a second time by it."""
+    first = build_engine(str(DEFAULT_MODEL), "0.25")
+    second = build_engine(str(DEFAULT_MODEL), "0.25", loaded=first.loaded)
+    assert second.model.W is first.model.W
+    before = second.model.forward(PROMPT, second.model.new_cache(32), logits="all")[0]
+    head = first.model.draft_head(1000)
+    np.testing.assert_array_equal(second.model.forward(PROMPT, second.model.new_cache(32), logits="all")[0], before)
+    again = second.model.draft_head(1000)
+    assert np.array_equal(again.ids, head.ids) and np.shares_memory(again.weight.data, head.weight.data)
+    sub = second.model.forward(PROMPT, second.model.new_cache(32), logits="all", head=again)[0]
+    np.testing.assert_array_equal(sub[:, again.ids], before[:, again.ids])
+
+
+def test_a_second_ranking_gets_a_copy_of_its_rows(tmp_path):
+    """The rows can be stored in one order only: a head from another ranks file copies its rows."""
+    engine = build_engine(str(DEFAULT_MODEL))
+    m = engine.model
+    V = m.config.vocab_size
+    first = m.draft_head(1000)
+    other = tmp_path / "ranks.json"
+    write_ranks(str(other), ranks_document(np.random.default_rng(5).permutation(V) + 1, "test"))
+    second = m.draft_head(500, str(other))
+    assert not np.shares_memory(second.weight.data, m.W["lm_head"].data)
+    assert np.shares_memory(first.weight.data, m.W["lm_head"].data)
+    full = m.forward(PROMPT, m.new_cache(32), logits="all")[0]
+    sub = m.forward(PROMPT, m.new_cache(32), logits="all", head=second)[0]
+    np.testing.assert_array_equal(sub[:, second.ids], full[:, second.ids])
 
 
 def test_head_rows_of_a_device_matrix_are_the_hosts():
@@ -149,13 +215,18 @@ def test_a_draft_head_keeps_the_target_law(sampler):
 
 
 def test_the_memory_plan_counts_the_draft_heads_rows():
+    """On the host the head is a view (nothing to plan); where it is a copy (a device), the plan
+    holds its rows."""
     plain = build_engine(str(DEFAULT_MODEL), "0.25")
     with_head = build_engine(str(DEFAULT_MODEL), "0.25", draft_vocab=1536)
     head = plain.loaded.dense_specs["lm_head"]
     stored = head.refs[0].nbytes  # F16: 6144 rows × 256 × 2 bytes
     assert stored == 6144 * 256 * 2
-    assert with_head.plan.dense_bytes - plain.plan.dense_bytes == stored // 4
-    assert with_head.model.draft_head(1536).weight.nbytes == stored // 4  # what the plan says is held
+    assert with_head.plan.dense_bytes == plain.plan.dense_bytes
+    assert with_head.plan.expert_capacity == plain.plan.expert_capacity
+    rows = with_head.model.draft_head(1536).weight
+    assert rows.nbytes == stored // 4 and np.shares_memory(rows.data, with_head.model.W["lm_head"].data)
+    assert draft_head_bytes(plain.loaded, 1536, on_device=True) == stored // 4
 
 
 def _ranks_file(tmp_path, **fields):

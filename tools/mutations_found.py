@@ -539,8 +539,8 @@ FOUND += [
              ["tests/test_live_costs.py", "-k", "in_flight_cost"], "what verification waited for prefetches subtracted"),
     # -- FR-Spec draft heads (--draft-vocab, model/draft_head.py) --
     Mutation("draft-head-rows-misaligned", "runtime/model/forward.py",
-             'DraftHead(ids, select_rows(self.W["lm_head"], ids, self.backend), V)',
-             'DraftHead(ids, select_rows(self.W["lm_head"], ids[::-1].copy(), self.backend), V)',
+             "DraftHead(held.order[:n].copy(), rows, V)",
+             "DraftHead(np.sort(held.order[:n]), rows, V)",
              ["tests/test_draft_head.py", "-k", "full_heads"], "the head's rows belong to other tokens (lossless: only acceptance falls)"),
     Mutation("draft-head-outside-zero", "runtime/model/draft_head.py",
              "out = np.full((sub.shape[0], self.vocab_size), -np.inf, dtype=np.float32)",

@@ -4,7 +4,12 @@ Every pass ends in the lm head, V × H weights read for each token; on a large-v
 is the largest dense read a draft pass makes. A draft restricted to the N most frequent tokens of a
 corpus reads N × H instead. Verification keeps the full head, so the output is unchanged: the draft
 can only propose tokens of its subset, and verification emits the target's own token wherever the
-draft's is not it. Under sampling the draft's law q is the softmax over the subset (0 elsewhere),
+draft's is not it.
+
+The head holds no bytes of its own where it can: the full head's rows are stored in rank order
+(`head_order`, permuted in place once), so the N most frequent tokens' rows are its first N rows,
+and the draft's head is a view of them. Logits of the full head are put back in token order after
+each pass (model/forward.py). A tied embedding looks its rows up through the same order. Under sampling the draft's law q is the softmax over the subset (0 elsewhere),
 and speculative sampling is exact for any q.
 
 The ranking comes from a token-ranks file (``token_ranks.json`` in the model's folder, or beside a
@@ -28,7 +33,7 @@ FORMAT = "s2moe-token-ranks"
 
 @dataclass(frozen=True, eq=False)
 class DraftHead:
-    ids: np.ndarray  # int64 [N], ascending: the tokens the draft may propose
+    ids: np.ndarray  # int64 [N]: the tokens the draft may propose, in the order of ``weight``'s rows
     weight: object  # the lm head's rows ``ids``, in the head's own encoding and place
     vocab_size: int
 
@@ -43,6 +48,14 @@ class DraftHead:
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class HeadOrder:
+    """How a full head's rows are stored once a draft head shares them: row j holds token ``order[j]``."""
+    order: np.ndarray  # int64 [V]: the ranked tokens by rank, then the rest (`head_order`)
+    row: np.ndarray  # int64 [V]: token id → its row (the inverse of ``order``)
+    ranking: str  # the ranks file the order came from
+
+
 def select_rows(W, ids: np.ndarray, backend):
     """The rows ``ids`` of a head matrix, a copy in its own encoding (stored or float) and place."""
     if hasattr(W, "rows"):  # StoredMatrix (host) or DeviceStored: its bytes, row by row
@@ -50,6 +63,38 @@ def select_rows(W, ids: np.ndarray, backend):
     picked = W[backend.to_device(ids) if backend.on_device else ids]
     # host float heads are kept input-major (see model/dense.py): keep the copy's layout the same
     return np.asfortranarray(picked) if isinstance(W, np.ndarray) and W.flags.f_contiguous else picked
+
+
+def head_order(ranks: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Every token id once: the ranked ones by rank, then the rest ascending. Rows stored in this
+    order make every head of this ranking a prefix of the full head."""
+    rest = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), ranks, assume_unique=True)
+    return np.concatenate([ranks, rest])
+
+
+def permute_rows(W, order: np.ndarray):
+    """``W`` (a StoredMatrix) with row j holding what row ``order[j]`` held: in its own buffer,
+    cycle by cycle with one row of scratch, so the budget needs no second head; a copy only where
+    the buffer is read-only."""
+    N = W.shape[0]
+    rows = W.data.reshape(N, W.row_bytes)
+    if not rows.flags.writeable:
+        return W.rows(order)
+    src = order.tolist()
+    done = bytearray(N)
+    for i in range(N):
+        if done[i] or src[i] == i:
+            continue
+        first, j = rows[i].copy(), i
+        while True:  # follow the cycle: row j takes row src[j] until the cycle closes on i
+            done[j] = 1
+            k = src[j]
+            if k == i:
+                rows[j] = first
+                break
+            rows[j] = rows[k]
+            j = k
+    return W
 
 
 def default_ranks_path(model_path: str) -> str:

@@ -23,8 +23,9 @@ from .attention import ATTENTION
 from ..kernels import ExpertAct, select_ops
 from ..kernels.backend import NUMPY, Backend, xp_of
 from ..kernels.reference import silu
+from ..kernels.stored import StoredMatrix
 from .config import ModelConfig
-from .draft_head import DraftHead, head_ids, ranks_file, select_rows
+from .draft_head import DraftHead, HeadOrder, head_order, load_token_ranks, permute_rows, ranks_file, select_rows, subset
 from ..offload.experts import ExpertProvider
 from .kv_cache import KVCache
 from .loader import LoadedModel
@@ -85,7 +86,7 @@ class MoEModel:
             self.W = {k: uploaded[id(v)] for k, v in dense.items()}
             self._host = {k: v for k, v in dense.items() if k.endswith("router_score_bias")}
             if backend.integrated:  # shared DRAM (Orin): a host copy would hold the same bytes twice
-                loaded.dense = {}
+                loaded.dense, loaded.head_order = {}, None  # (read again, the rows come in token order)
         if experts is None:  # full residency, buffered reads: the plain reference configuration
             from ..offload.cache import ExpertCache
             from ..offload.store import ExpertStore
@@ -99,6 +100,9 @@ class MoEModel:
         self._windows = {self.config.window_of(L) for L in range(self.config.num_layers)}  # GPT-OSS: sliding and full layers
         self.split: TimeSplit | _NoSplit = _NoSplit()
         self._draft_heads: dict[tuple[int, str], DraftHead] = {}
+        # the order of the lm head's rows once a draft head shares them (`draft_head`): the host's
+        # is the loaded weights' (every model on them shares it); a device's is what its upload copied
+        self._device_order = loaded.head_order if backend.on_device else None
         # a decode token's MoE layer in one C call (`_moe_step`): where the CPU kernels, a cache
         # with a resident table, and a router they route like the reference (no groups, no score bias)
         self._steps = (hasattr(self.ops, "moe_step") and not backend.on_device
@@ -113,15 +117,36 @@ class MoEModel:
 
     def draft_head(self, n: int, ranks_path: str | None = None) -> DraftHead | None:
         """The lm head over the ``n`` most frequent tokens (model/draft_head.py), built once per
-        (n, ranks file): drafts of every decoder on this model share its rows. None for n = 0."""
+        (n, ranks file): drafts of every decoder on this model share its rows. None for n = 0.
+        A stored head on the host is permuted in place to rank order the first time, and the draft
+        head is then a view of its first ``n`` rows: no bytes beside it (`draft_head_bytes`). A
+        second ranks file, or a head on a device or in float, gets a copy of its rows. Build heads
+        before decoding: the permutation rewrites the rows a pass reads."""
         if not n:
             return None
         V = self.config.vocab_size
         path = ranks_file(self.loaded.path, ranks_path)
         if (n, path) not in self._draft_heads:  # the file is read once per head
-            ids = head_ids(path, V, n)
-            self._draft_heads[(n, path)] = DraftHead(ids, select_rows(self.W["lm_head"], ids, self.backend), V)
+            ranks = load_token_ranks(path, V)
+            ids = subset(ranks, n, V, path)
+            lm, held = self.W["lm_head"], self._order
+            if not self.backend.on_device and isinstance(lm, StoredMatrix) and (held is None or held.ranking == path):
+                if held is None:
+                    order = head_order(ranks, V)
+                    # (in place: a tied embedding is this object too, and `_pass` looks it up by row)
+                    self.W["lm_head"] = lm = permute_rows(lm, order)
+                    self.loaded.head_order = held = HeadOrder(order, np.argsort(order), path)
+                rows = StoredMatrix.checked_before(lm.data[:n * lm.row_bytes], lm.dtype, (n, lm.shape[1]))
+                self._draft_heads[(n, path)] = DraftHead(held.order[:n].copy(), rows, V)
+            else:
+                where = ids if held is None else held.row[ids]  # (rows stored in another order)
+                self._draft_heads[(n, path)] = DraftHead(ids, select_rows(lm, where, self.backend), V)
         return self._draft_heads[(n, path)]
+
+    @property
+    def _order(self):
+        """The `HeadOrder` of the lm head's rows this model computes with, None in token order."""
+        return self._device_order if self.backend.on_device else self.loaded.head_order
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache.for_config(self.config, capacity, xp=self.backend.xp)
@@ -383,7 +408,9 @@ class MoEModel:
             begin(T)
         fuse = T <= getattr(ops, "max_fused_tokens", 0)  # a device's fused kernels (kernels/device.py)
         block = fuse or getattr(ops, "attention_blocks", False)  # the CPU kernels' one-call attention block
-        h = ops.embed(W["embed"], ids)
+        ranked = self._order
+        tied = ranked is not None and W["embed"] is W["lm_head"]
+        h = ops.embed(W["embed"], ranked.row[ids] if tied else ids)  # (a tied head's rows in rank order)
         # a decode token: its layers in one C call, which stops before a layer it cannot finish (an
         # expert to read); that layer goes step by step, and the call takes over again after it
         one = T == 1 and positions is None and tree_mask is None and logits != "none" and \
@@ -423,6 +450,8 @@ class MoEModel:
         if out is None:
             return None, rec
         out = self.backend.to_host(out)  # logits to the host for sampling
+        if head is None and ranked is not None:  # the head's rows in rank order: token order again
+            return out[:, ranked.row], rec
         return (out if head is None else head.expand(out)), rec
 
 

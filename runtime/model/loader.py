@@ -92,6 +92,9 @@ class LoadedModel:
     # generation_config.json with do_sample, or a GGUF's general.sampling.* keys
     generation_defaults: dict = field(default_factory=dict)
     dense: dict = field(default_factory=dict, repr=False)  # filled by load_dense()
+    # set once a draft head has stored ``dense["lm_head"]``'s rows in rank order (MoEModel.draft_head),
+    # for every model that computes with these objects
+    head_order: object | None = field(default=None, repr=False)  # a draft_head.HeadOrder
 
     def load_dense(self, direct: bool = True) -> dict:
         """Read the dense part (once): O_DIRECT or buffered + dropped pages, stored encodings kept."""
