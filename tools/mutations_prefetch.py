@@ -343,7 +343,7 @@ PREFETCH: list[Mutation] = [
              "        capacity = max(0, share_of_experts(budget) - draft_head)", "        capacity = share_of_experts(budget)",
              ["tests/test_memory.py", "-k", "draft_head"], "a share budget gives a method with a draft head more memory than one without"),
     # -- a draft head as a view of the lm head's rows, stored in rank order (model/forward.py) --
-    Mutation("head-logits-rank-order", "runtime/model/forward.py", "            return out[:, ranked.row], rec",
+    Mutation("head-logits-rank-order", "runtime/model/forward.py", "            return out.take(ranked.row, axis=1), rec",
              "            return out, rec", ["tests/test_draft_head.py", "-k", "full_heads"],
              "the target's logits leave in the rows' rank order once a draft head has permuted them"),
     Mutation("tied-embed-not-reordered", "runtime/model/forward.py", "ranked.row[ids] if tied else ids", "ids",
