@@ -31,6 +31,34 @@ def obs(self, sp, tok, sec, expected=None):
     _f.write(json.dumps({"id": id(self), "sp": sp, "tok": tok, "exp": expected, "sec": sec, "hold_after": self.hold,
                          "spec": self.spec.value, "ar": self.ar.value, "held": self.held_steps}) + "\n")
 _rg.RateGuard.observe = obs
+if os.environ.get("PROBEDRAFT"):
+    _s3, _o3 = _rg.RateGuard.speculate, _rg.RateGuard.observe
+    def spec3(self):
+        was = self.hold > 0
+        r = _s3(self)
+        if was and self.hold == 0:
+            self._after_hold = True
+        return r
+    def obs3(self, sp, tok, sec, expected=None):
+        if sp and getattr(self, "_after_hold", False):
+            self._after_hold = False
+            if expected is not None and abs(expected - 1.0) < 1e-9:
+                keep = (self.hold, self.next_hold, self.holds)
+                _o3(self, sp, tok, sec, expected)
+                self.hold, self.next_hold, self.holds = keep
+                return
+        _o3(self, sp, tok, sec, expected)
+    _rg.RateGuard.speculate, _rg.RateGuard.observe = spec3, obs3
+if os.environ.get("NOEMPTY"):
+    _o2 = _rg.RateGuard.observe
+    def obs2(self, sp, tok, sec, expected=None):
+        if sp and expected is not None and abs(expected - 1.0) < 1e-9:
+            keep = (self.hold, self.next_hold, self.holds)
+            _o2(self, sp, tok, sec, expected)
+            self.hold, self.next_hold, self.holds = keep
+            return
+        _o2(self, sp, tok, sec, expected)
+    _rg.RateGuard.observe = obs2
 from s2moe.runtime.cli import main
 sys.argv = ['s2moe'] + sys.argv[1:]
 main()
