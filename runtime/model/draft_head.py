@@ -6,11 +6,13 @@ corpus reads N × H instead. Verification keeps the full head, so the output is 
 can only propose tokens of its subset, and verification emits the target's own token wherever the
 draft's is not it.
 
+Under sampling the draft's law q is the softmax over the subset (0 elsewhere), and speculative
+sampling is exact for any q.
+
 The head holds no bytes of its own where it can: the full head's rows are stored in rank order
 (`head_order`, permuted in place once), so the N most frequent tokens' rows are its first N rows,
 and the draft's head is a view of them. Logits of the full head are put back in token order after
-each pass (model/forward.py). A tied embedding looks its rows up through the same order. Under sampling the draft's law q is the softmax over the subset (0 elsewhere),
-and speculative sampling is exact for any q.
+each pass (model/forward.py). A tied embedding looks its rows up through the same order.
 
 The ranking comes from a token-ranks file (``token_ranks.json`` in the model's folder, or beside a
 GGUF as ``NAME.token_ranks.json``, or ``--token-ranks FILE``), written by `s2moe vocab` from a text
@@ -74,8 +76,8 @@ def head_order(ranks: np.ndarray, vocab_size: int) -> np.ndarray:
 
 def permute_rows(W, order: np.ndarray):
     """``W`` (a StoredMatrix) with row j holding what row ``order[j]`` held: in its own buffer,
-    cycle by cycle with one row of scratch, so the budget needs no second head; a copy only where
-    the buffer is read-only."""
+    cycle by cycle with one row of scratch, so the budget needs no second head. A read-only buffer
+    (none of the loader's are) gets a copy, which the plan does not hold."""
     N = W.shape[0]
     rows = W.data.reshape(N, W.row_bytes)
     if not rows.flags.writeable:
