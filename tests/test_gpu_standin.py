@@ -275,3 +275,25 @@ def test_the_gpu_benchmark_exits_0_without_a_gpu_and_needs_no_torch(tmp_path):
         assert f"skipped: {part}" in r.stdout and "CuPy is not installed" in r.stdout
     assert " passed" in r.stdout and " skipped" in r.stdout and "failed" not in r.stdout
     assert "SKIPPED" in r.stdout and "GPU test: CuPy is not installed" in r.stdout  # each skip with its reason
+
+
+# -- a draft head's row order on a device ---------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_device_model_on_rank_ordered_rows_keeps_the_token_order(as_cupy, tied):
+    """A host model's draft head stores the loaded lm head's rows in rank order; a device model built
+    on those weights afterwards uploads them so, and must look tokens up (a tied embedding) and
+    return logits in token order, as a model on unpermuted weights does."""
+    loaded = load_model(str(DEFAULT_MODEL))
+    dev = B.select_backend("cupy", module=fake)
+    host = build_engine(loaded.path, None, 64, None, loaded=loaded)
+    if tied:  # the head stands in for a tied embedding (one object for both)
+        host.model.W["embed"] = host.model.W["lm_head"]
+    prompt = [15, 64, 13, 266, 280, 9]
+    want = build_engine(loaded.path, None, 64, None, loaded=loaded, backend=dev).model
+    before = want.backend.to_host(want.forward(prompt, want.new_cache(32), logits="all")[0])
+    host.model.draft_head(1000)
+    assert loaded.head_order is not None
+    after = build_engine(loaded.path, None, 64, None, loaded=loaded, backend=dev).model
+    got = after.backend.to_host(after.forward(prompt, after.new_cache(32), logits="all")[0])
+    np.testing.assert_allclose(got, before, rtol=0, atol=1e-5)

@@ -398,19 +398,18 @@ class MoEModel:
         pos = np.arange(start, start + T) if positions is None else np.asarray(positions, dtype=np.int64)
         cos, sin = self._rope(pos)
         masks = {w: self._visibility(start, T, pos, tree_mask, w) for w in self._windows}
+        ranked = self._order
+        # the embedding's rows: a tied head's are in rank order (looked up on the host, before any upload)
+        ids = ranked.row[tokens] if ranked is not None and W["embed"] is W["lm_head"] else tokens
         if self.backend.on_device:  # the pass's host data goes up in one copy
-            ids, (cos, sin), masks = self.backend.to_device_together([tokens, [cos, sin], masks])
-        else:
-            ids = tokens
+            ids, (cos, sin), masks = self.backend.to_device_together([ids, [cos, sin], masks])
         rec = RoutingRecord() if record else None
         begin, end = getattr(self.experts, "begin_pass", None), getattr(self.experts, "end_pass", None)
         if begin:
             begin(T)
         fuse = T <= getattr(ops, "max_fused_tokens", 0)  # a device's fused kernels (kernels/device.py)
         block = fuse or getattr(ops, "attention_blocks", False)  # the CPU kernels' one-call attention block
-        ranked = self._order
-        tied = ranked is not None and W["embed"] is W["lm_head"]
-        h = ops.embed(W["embed"], ranked.row[ids] if tied else ids)  # (a tied head's rows in rank order)
+        h = ops.embed(W["embed"], ids)
         # a decode token: its layers in one C call, which stops before a layer it cannot finish (an
         # expert to read); that layer goes step by step, and the call takes over again after it
         one = T == 1 and positions is None and tree_mask is None and logits != "none" and \
