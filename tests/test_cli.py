@@ -185,7 +185,8 @@ def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
     assert records[0]["speedup_vs_ar"] == pytest.approx(1.0)
     for rec in records:  # the run's prefetch counters: verification's misses split by why, never more than it read
         pf = rec["prefetch"]
-        split = pf["missed_refused"] + pf["missed_capped"] + pf["missed_evicted"] + pf["missed_unpredicted"]
+        split = pf["missed_refused"] + pf["missed_capped"] + pf["missed_evicted"] + pf["missed_unpredicted"] + \
+            pf["missed_gated"]
         assert pf["used"] + split == pf["verify_misses"] and min(pf.values()) >= 0
     assert records[0]["prefetch"]["issued"] == records[0]["prefetch"]["verify_misses"] == 0  # AR
     assert records[1]["prefetch"]["verify_misses"] > 0 and records[1]["prefetch"]["used"] > 0  # s2moe read ahead

@@ -119,6 +119,10 @@ def test_a_gated_run_keeps_ar_output_and_stops_prefetching_once_reads_are_measur
     assert result.tokens == want
     p = engine.cache.prefetch_stats
     assert p.gated > 0 and engine.cache.store.read_costs.ratio() is not None
+    # verification's reads the gate left to it are counted as such, not as guesses never made
+    assert p.missed_gated > 0 and p.missed_gated >= p.missed_unpredicted
+    split = p.missed_refused + p.missed_capped + p.missed_evicted + p.missed_unpredicted + p.missed_gated
+    assert p.used + split == engine.cache.stats["verify"].misses
     issued_before = p.issued
     SpeculativeDecoder(engine.model, get_method("ca+ae"), SpecSettings(draft_cap=4), COSTS).generate(ids, 24)
     assert p.issued == issued_before  # measured: none more

@@ -76,13 +76,14 @@ class PrefetchStats:
     missed_capped: int = 0
     missed_evicted: int = 0
     missed_unpredicted: int = 0
+    missed_gated: int = 0  # predicted, but the gate held this iteration's guesses back
 
     def to_dict(self) -> dict:
         return {"issued": self.issued, "used": self.used, "kept": self.kept, "wasted": self.wasted,
                 "wasted_bytes": self.wasted_bytes, "refused": self.refused, "refused_keys": self.refused_keys,
                 "borrowed": self.borrowed, "gated": self.gated, "missed_refused": self.missed_refused,
                 "missed_capped": self.missed_capped, "missed_evicted": self.missed_evicted,
-                "missed_unpredicted": self.missed_unpredicted,
+                "missed_unpredicted": self.missed_unpredicted, "missed_gated": self.missed_gated,
                 "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
                 "waited_seconds": round(self.waited_seconds, 6)}
 
@@ -138,6 +139,7 @@ class ExpertCache:
         self._predicted: set[Key] = set()  # this iteration's predictions and draft experts: not evicted for a prefetch
         self._refused: set[Key] = set()  # this iteration's guesses refused (PrefetchStats.missed_refused)
         self._capped: set[Key] = set()  # and those left past the cap on reads in flight
+        self._gated: set[Key] = set()  # and those the gate held back
         self._size = resident_size
         self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
         self.prefetch_stats = PrefetchStats()
@@ -420,6 +422,7 @@ class ExpertCache:
         keys = list(keys)
         if not self.prefetch_pays():
             self.prefetch_stats.gated += 1
+            self._gated.update(keys)
             return 0
         started = 0
         self._predicted.update(keys)
@@ -472,7 +475,9 @@ class ExpertCache:
         """Why verification reads ``keys`` on its critical path (no prefetch started them)."""
         st = self.prefetch_stats
         for key in keys:
-            if key in self._refused:
+            if key in self._gated:
+                st.missed_gated += 1
+            elif key in self._refused:
                 st.missed_refused += 1
             elif key in self._capped:
                 st.missed_capped += 1
@@ -502,7 +507,7 @@ class ExpertCache:
         (nothing more is evicted for a guess); unstarted reads are cancelled. Reads still running
         are waited for (a buffer dropped here would land outside the budget), in the current
         phase's fetch time; a guess whose read failed is dropped (a pass that needs it reads again)."""
-        self._predicted, self._refused, self._capped = set(), set(), set()
+        self._predicted, self._refused, self._capped, self._gated = set(), set(), set(), set()
         for key, (future, _, _) in list(self._prefetched.items()):
             del self._prefetched[key]
             self._release(key)

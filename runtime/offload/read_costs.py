@@ -7,8 +7,8 @@ wins depends on the tier, not on the method. Measured on this 2-vCPU VM inside r
 - the embedded model's 168 KiB experts land 250-320 µs after a start that costs the caller
   22-25 µs (medians, a ratio of 11-13). Prefetch there made S²-MoE 4-11 % slower: a draft pass
   took 96 µs more and hid only ~55 µs of reads per used prefetch;
-- the widened model's 3 MiB experts land 3.1-6.8 ms after a 42-62 µs start (50-160), and
-  prefetch hides 8-13 ms of reads per token.
+- in S²-MoE runs on the widened model, 3 MiB experts land 4.3-7.4 ms after a 26-79 µs start
+  (54-282), and prefetch hides 8-13 ms of reads per token.
 
 `ReadCosts` keeps both over the last reads (medians: one start preempted by the thread it wakes, or
 one read queued behind others, does not swing it); `ExpertCache.prefetch` starts guesses only
@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-# where the gate sits: between the two regimes measured (11-13 and 50-160), a factor of about two
+# where the gate sits: between the two regimes measured (11-13 and 54-282), a factor of about two
 # from each; 0 turns the gate off (always prefetch)
 DEFAULT_PREFETCH_GATE = 24.0
 
@@ -41,7 +41,8 @@ class ReadCosts:
             self._fresh += reads
 
     def observe_landing(self, seconds: float) -> None:
-        """(thread-safe: a Python fetch thread's done-callback may call it; deque appends are atomic)"""
+        """(a Python fetch thread's done-callback may call it: deque appends are atomic, and a lost
+        count of ``_fresh`` only delays the next refresh)"""
         if seconds >= 0:
             self.landings.append(seconds)
             self._fresh += 1
