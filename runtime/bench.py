@@ -98,7 +98,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
     for name in methods:
         spec = get_method(name)
         engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded, **(engine_kw or {}),
-                              prefetch_slots=settings.slots_for(spec), prefetch_gate=settings.prefetch_gate,
+                              prefetch_slots=settings.slots_for(spec),
                               draft_vocab=0 if spec.admit == "none" else settings.draft_vocab)
         if costs is None and estimate is not None:
             costs = estimate(engine.model, ids[0], draft_policy,
@@ -143,6 +143,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
         emulation = engine.emulation.describe() if engine.emulation.active else None
         live_now = decoder.live.current().to_dict() if decoder.live else None
         guard = decoder.guard.to_dict() if decoder.guard else None  # its state carries across the prompts
+        trial = decoder.trial.to_dict() if decoder.trial else None  # (so does the prefetch trial's)
         engine = decoder = None  # the next method's engine loads its experts into freed memory
         throughput[name] = tokens / seconds if seconds else 0.0
         records.append(Record(
@@ -159,7 +160,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                    "decode_tokens_per_s_aggregate": throughput[name],
                    "ms_per_token": breakdown,
                    "prefetch": prefetch_counts(start, end),
-                   "prefetch_gate": end.get("prefetch_gate"),
+                   "prefetch_trial": trial,
                    "cost_constants": costs.to_dict() if costs else None,
                    "live_costs": live_now,
                    "rate_guard": guard,

@@ -88,7 +88,6 @@ def build_engine(
     batch: int | None = None,
     preload: bool = False,
     prefetch_slots: int | None = None,
-    prefetch_gate: float = 0.0,
     budget_from: str = "--budget",
     trim_hot: bool = False,
     draft_vocab: int = 0,
@@ -103,11 +102,7 @@ def build_engine(
     where it needs one, is planned with the dense part.
     ``prefetch_slots``: experts a draft may have in flight for verification (default 2 × top-k
     under a budget, 0 when every expert is resident). They take their room in the expert cache, not
-    in the plan, so every method runs in the same memory. ``prefetch_gate``: on the host, they start
-    only while the tier's reads take this many times longer to land than to start
-    (offload/read_costs.py; 0 here: always, the mechanism as asked; the CLI passes
-    `SpecSettings.prefetch_gate`). A device's compute does not wait on the CPU that starts them, so
-    there the gate is off."""
+    in the plan, so every method runs in the same memory."""
     loaded = loaded or load_model(model_path, dense=False)
     parsed = Budget.parse(budget, budget_from)
     experts_only = Budget.parse(expert_budget, "--expert-budget") if expert_budget is not None else None
@@ -162,8 +157,7 @@ def build_engine(
         raise UsageError(f"{where}: {len(hot)} hot experts need {fmt_bytes(sum(map(size, hot)))}, the budget leaves "
                          f"{fmt_bytes(plan.expert_capacity)} for experts; shorten the list or raise --budget")
     cache = ExpertCache(store, None if full else plan.expert_capacity, policy, hot, size, place=backend.upload_expert,
-                        window=window, prefetch_slots=0 if full else slots,
-                        prefetch_gate=0.0 if backend.on_device else prefetch_gate)
+                        window=window, prefetch_slots=0 if full else slots)
     if preload and full:
         _preload(cache, sorted(loaded.experts))
     return Engine(loaded, MoEModel(loaded, cache, backend, ops), cache, plan, parsed, emulation)

@@ -165,7 +165,7 @@ def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
     workload = os.path.join(os.path.dirname(__file__), "data", "prompts.jsonl")
     r = s2moe("bench", "-m", folder, "-w", workload, "--methods", "s2moe,ar,ca", "--budget", "0.5",
               "--n-prompts", "3", "--max-tokens", "6", "--json", str(out), "--csv", str(tmp_path / "b.csv"),
-              "--prefetch-gate", "0")  # (whatever this machine's reads cost: the counters below need prefetches)
+              "--always-prefetch")  # (whatever the trial would choose here: the counters below need prefetches)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     assert {"cpu_model", "cpu_cores"} <= set(data["machine"])

@@ -45,7 +45,7 @@ def wide_model(tmp_path_factory):
 def _run(model: str, budget: str, method: str = "s2moe") -> tuple[dict, int]:
     cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", model, "--prompt", "def fibonacci(n):",
            "-n", "24", "--budget", budget, "--method", method, "--temperature", "0", "--json",
-           "--prefetch-gate", "0"]  # prefetch whatever reads cost: the plan must hold with it on
+           "--always-prefetch"]  # prefetch on every iteration: the plan must hold with it on
     if MEASURE == "cgroup":
         r = cgroups.run_in_cgroup(cmd, timeout=300)
         assert r.returncode == 0, r.stderr

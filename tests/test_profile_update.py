@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     logs, runs = {}, {}
     # the drafting run makes fewer passes than tokens (8 passes for 40 tokens): 80 leave --update its 10
     for name, n, extra in (("ar", "40", ("--method", "ar")),
-                           ("s2moe", "80", ("--method", "s2moe", "--utility-threshold", "0", "--prefetch-gate", "0"))):
+                           ("s2moe", "80", ("--method", "s2moe", "--utility-threshold", "0", "--always-prefetch"))):
         logs[name] = d / f"{name}.passes.json"
         r = s2moe("run", "--profile", str(prof), "-p", PROMPT, "-n", n, "--ignore-eos", "--backend", "numpy",
                   "--temperature", "0", "--record-passes", str(logs[name]), "--json", *extra)

@@ -8,7 +8,6 @@ import typer
 
 from .common import err, resolve_model, say
 from ..decoding.methods import SpecSettings
-from ..offload.read_costs import DEFAULT_PREFETCH_GATE
 from .errors import cli_errors
 
 
@@ -34,7 +33,7 @@ def bench(
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     prefetch_slots: Optional[int] = typer.Option(None, "--prefetch-slots", min=0, help="Prefetches in flight at most (default 2 × top-k under a budget); each takes its room in the expert cache."),
-    prefetch_gate: Optional[float] = typer.Option(None, "--prefetch-gate", help=f"On the CPU, prefetch only while the tier's reads take at least this many times longer to land than to start (default {DEFAULT_PREFETCH_GATE:g}; 0: always)."),
+    always_prefetch: bool = typer.Option(False, "--always-prefetch", help="Prefetch on every iteration (default, on the CPU with live costs: only where the run measures prefetch saving verification more than it costs the draft)."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the cost constants fixed instead of following the passes the run makes."),
     no_rate_guard: bool = typer.Option(False, "--no-rate-guard", help="AE keeps speculating even where speculation is measured slower than AR steps (the guard needs live costs)."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
@@ -91,7 +90,7 @@ def bench(
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch, prefetch_slots=prefetch_slots,
-                                 **({"prefetch_gate": prefetch_gate} if prefetch_gate is not None else {}),
+                                 prefetch_always=always_prefetch,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         check_draft_vocab(loaded, settings, draft_vocab)

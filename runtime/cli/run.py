@@ -11,7 +11,6 @@ import typer
 
 from .common import err, print_json, resolve_model, say
 from ..decoding.methods import SpecSettings
-from ..offload.read_costs import DEFAULT_PREFETCH_GATE
 from .errors import cli_errors
 
 
@@ -36,7 +35,7 @@ def run(
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     prefetch_slots: Optional[int] = typer.Option(None, "--prefetch-slots", min=0, help="Prefetches in flight at most (default 2 × top-k under a budget); each takes its room in the expert cache."),
-    prefetch_gate: Optional[float] = typer.Option(None, "--prefetch-gate", help=f"On the CPU, prefetch only while the tier's reads take at least this many times longer to land than to start (default {DEFAULT_PREFETCH_GATE:g}; 0: always)."),
+    always_prefetch: bool = typer.Option(False, "--always-prefetch", help="Prefetch on every iteration (default, on the CPU with live costs: only where the run measures prefetch saving verification more than it costs the draft)."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the profile's (or start-up) cost constants fixed instead of following the passes this run makes."),
     no_rate_guard: bool = typer.Option(False, "--no-rate-guard", help="AE keeps speculating even where speculation is measured slower than AR steps (the guard needs live costs)."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
@@ -93,7 +92,7 @@ def run(
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch, prefetch_slots=prefetch_slots,
-                                 **({"prefetch_gate": prefetch_gate} if prefetch_gate is not None else {}),
+                                 prefetch_always=always_prefetch,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
@@ -260,7 +259,7 @@ def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch
                           fetch_threads=offload.get("fetch_threads"), expert_budget=expert_budget,
                           kernels=kernels, threads=threads, preload=True, budget_from=chosen.budget_from,
                           trim_hot=chosen.trim_hot, batch=batch,
-                          prefetch_slots=settings.slots_for(spec), prefetch_gate=settings.prefetch_gate,
+                          prefetch_slots=settings.slots_for(spec),
                           draft_vocab=0 if spec.admit == "none" else settings.draft_vocab)
     if engine.model.ops.reason.startswith("auto: the compiled"):
         say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")

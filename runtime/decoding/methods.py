@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 
 from ..checks import number
 from ..errors import UsageError
-from ..offload.read_costs import DEFAULT_PREFETCH_GATE
 
 
 @dataclass(frozen=True)
@@ -91,9 +90,9 @@ class SpecSettings:
     # flight (None: 2 × top-k under a budget); each takes its room in the expert cache
     prefetch: bool = True
     prefetch_slots: int | None = None
-    # on the CPU, only while a read takes this many times longer to land than to start (0: always;
-    # offload/read_costs.py)
-    prefetch_gate: float = DEFAULT_PREFETCH_GATE
+    # on the host with live costs, prefetch only where the run measures it saving verification more
+    # than it costs the draft (prefetch_trial.py); True: on every iteration
+    prefetch_always: bool = False
     # AE's p_i: "learned" (P(accepted | draft confidence) from the run's verifications; see
     # acceptance.py) or "confidence" (the draft's own probability, as the paper has it)
     acceptance: str = "learned"
@@ -120,7 +119,6 @@ class SpecSettings:
         number("reuse gating strength", self.rg_strength, low=0)
         number("confidence threshold", self.confidence_threshold, low=0, high=1)
         number("--draft-vocab", self.draft_vocab, low=0, integer=True)
-        number("--prefetch-gate", self.prefetch_gate, low=0)
         if self.prefetch_slots is not None:
             number("--prefetch-slots", self.prefetch_slots, low=0, high=4096, integer=True)
         if self.rg_variant not in ("paper", "code", "resident"):

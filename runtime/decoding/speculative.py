@@ -22,6 +22,7 @@ import numpy as np
 
 from .cost_model import CostConstants
 from .live_costs import LiveCosts
+from .prefetch_trial import PrefetchTrial
 from .rate_guard import RateGuard
 from ..engine import phase_of
 from .generate import GenerationResult
@@ -91,6 +92,12 @@ class SpeculativeDecoder:
         self.settings = settings.validate(c.top_k, c.num_experts)
         self.top_k = c.top_k
         self.cache = model.experts
+        # on the host, prefetch only where the run measures it paying (prefetch_trial.py). It follows
+        # the clock, so, as the guard, only with live costs: with fixed ones a run decides alike anywhere
+        on_device = getattr(getattr(model, "backend", None), "on_device", False)
+        self.trial = (PrefetchTrial() if live and settings.prefetch and not settings.prefetch_always and not on_device
+                      and method.admit != "none" and hasattr(self.cache, "hold_back") else None)
+        self._hold_back = False  # this iteration's guesses are not read ahead (the trial's choice)
         resident = getattr(self.cache, "resident_mask", None) if settings.draft_resident else None
         self.draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk),
                                           allowed=(lambda L: resident(L, c.num_experts)) if resident else None,
@@ -124,7 +131,10 @@ class SpeculativeDecoder:
     def _prefetch(self, keys: set[Key]) -> None:
         prefetch = getattr(self.cache, "prefetch", None)
         if prefetch and self.settings.prefetch:
-            prefetch(sorted(keys))
+            if self._hold_back:
+                self.cache.hold_back(keys)
+            else:
+                prefetch(sorted(keys))
 
     def _logit_rows(self, record: RoutingRecord, t: int):
         """Token t's router logits of every layer, [layers, E] float64, and the same rows sorted
@@ -546,6 +556,7 @@ class SpeculativeDecoder:
                 continue
             history = prompt + out
             feed = history[draft_kv.filled:] if not m.share_kv else [root]
+            self._hold_back = self.trial is not None and not self.trial.prefetch_now()
             td, passes = time.perf_counter(), self.metrics.draft_passes
             with phase_of(self.model, "draft"):
                 root_logits, root_experts = self._draft_root(feed, draft_kv)
@@ -568,7 +579,11 @@ class SpeculativeDecoder:
                 kv.rollback(P)  # context alignment: draft KV never reaches the committed cache
             if not branches[0].tokens:  # nothing admitted: the verification is a plain AR step
                 self.metrics.empty_drafts += 1
+            verify_stats = self.cache.stats["verify"] if self.trial is not None else None
+            waited = verify_stats.fetch_seconds if verify_stats is not None else 0.0
             accepted, nxt = self._verify(root, P, branches, kv, draws, len(out))
+            if verify_stats is not None:  # what prefetch added to the draft against what it saved verification
+                self.trial.observe(drafted_for, self.metrics.draft_passes - passes, verify_stats.fetch_seconds - waited)
             if not m.share_kv:
                 # the draft cache is valid up to the accepted tokens only if it holds the accepted
                 # branch (the last one drafted); otherwise keep the root and catch up next time

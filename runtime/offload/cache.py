@@ -66,7 +66,7 @@ class PrefetchStats:
     refused: int = 0  # not started: no room in the cache (see borrowed) and no idle read buffer
     refused_keys: int = 0  # of those, distinct experts per iteration (a guess is refused after each draft token)
     borrowed: int = 0  # of those issued: read into the idle streaming workspace, the cache having no room
-    gated: int = 0  # calls (a draft token's guesses) not started: reads land too soon to pay for starting them
+    gated: int = 0  # calls (a draft token's guesses) held back: prefetch measured costing more than it saves
     read_seconds: float = 0.0  # of the prefetches used: issue to completion
     waited_seconds: float = 0.0  # of those, what a pass still waited
     # verification's reads no prefetch had started, by why: the guess was refused (no room), left
@@ -76,7 +76,7 @@ class PrefetchStats:
     missed_capped: int = 0
     missed_evicted: int = 0
     missed_unpredicted: int = 0
-    missed_gated: int = 0  # predicted, but the gate held this iteration's guesses back
+    missed_gated: int = 0  # predicted, but this iteration's guesses were held back (see `hold_back`)
 
     def to_dict(self) -> dict:
         return {"issued": self.issued, "used": self.used, "kept": self.kept, "wasted": self.wasted,
@@ -105,7 +105,7 @@ DEFAULT_POLICY = "lfu"
 class ExpertCache:
     def __init__(self, store, capacity_bytes: int | None = None, policy: str = DEFAULT_POLICY,
                  hot: Iterable[Key] = (), resident_size=None, place=None, window: int = 4,
-                 prefetch_slots: int = 0, prefetch_gate: float = 0.0):
+                 prefetch_slots: int = 0):
         """``capacity_bytes`` None = unlimited (full residency). ``resident_size(key)`` gives an
         expert's compute-format bytes, used to check the hot set fits before reading it.
         ``place`` moves fetched weights into the fast tier's memory (`Backend.upload_expert`:
@@ -122,10 +122,6 @@ class ExpertCache:
         # predicts), so it needs no memory of its own: slots of their own had cost the cache more
         # than they hid (docs/performance.md, "Prefetch into the cache, one plan for every method")
         self.prefetch_slots = prefetch_slots
-        # guesses start only while the store's reads take at least this many times longer to land
-        # than to start (read_costs.py: where starting costs the draft about what landing hides,
-        # prefetch slowed S²-MoE down); 0: always. Device tiers pass 0: their compute is not the CPU's
-        self.prefetch_gate = prefetch_gate
         self._reserved: dict[Key, int] = {}  # bytes held in the cache for each prefetch in flight
         # a guess the cache has no room for (the policy ranks what it would evict above it) is read
         # into the streaming workspace instead, which sits idle while a resident-only draft runs.
@@ -139,7 +135,7 @@ class ExpertCache:
         self._predicted: set[Key] = set()  # this iteration's predictions and draft experts: not evicted for a prefetch
         self._refused: set[Key] = set()  # this iteration's guesses refused (PrefetchStats.missed_refused)
         self._capped: set[Key] = set()  # and those left past the cap on reads in flight
-        self._gated: set[Key] = set()  # and those the gate held back
+        self._gated: set[Key] = set()  # and those held back
         self._size = resident_size
         self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
         self.prefetch_stats = PrefetchStats()
@@ -419,12 +415,8 @@ class ExpertCache:
         submit = getattr(self.store, "submit", None)
         if submit is None or self.prefetch_slots <= 0:
             return 0
-        keys = list(keys)
-        if not self.prefetch_pays():
-            self.prefetch_stats.gated += 1
-            self._gated.update(keys)
-            return 0
         started = 0
+        keys = list(keys)
         self._predicted.update(keys)
         for i, key in enumerate(keys):
             if len(self._prefetched) >= self.prefetch_slots:
@@ -457,19 +449,11 @@ class ExpertCache:
         self.prefetch_stats.issued += started
         return started
 
-    def prefetch_pays(self) -> bool:
-        """The gate: True until the store has measured enough reads, then while landing one takes
-        at least ``prefetch_gate`` times what starting one costs."""
-        costs = getattr(self.store, "read_costs", None)
-        if self.prefetch_gate <= 0 or costs is None:
-            return True
-        ratio = costs.ratio()
-        return ratio is None or ratio >= self.prefetch_gate
-
-    def gate_report(self) -> dict:
-        """The gate's setting and what it saw: median start and landing of the store's last reads (µs)."""
-        costs = getattr(self.store, "read_costs", None)
-        return {"gate": self.prefetch_gate, **(costs.to_dict() if costs is not None else {})}
+    def hold_back(self, keys: Iterable[Key]) -> None:
+        """A draft's guesses not read ahead (the decoder measured prefetch costing more than it
+        saves: decoding/prefetch_trial.py); verification's reads of them count as ``missed_gated``."""
+        self.prefetch_stats.gated += 1
+        self._gated.update(keys)
 
     def _classify_misses(self, keys) -> None:
         """Why verification reads ``keys`` on its critical path (no prefetch started them)."""
@@ -579,7 +563,6 @@ class ExpertCache:
         return {
             **({"read_buffers": pool.stats()} if pool is not None else {}),
             "prefetch": self.prefetch_stats.to_dict(),
-            "prefetch_gate": self.gate_report(),
             "policy": self.policy.name,
             "capacity_bytes": self.capacity,
             "pinned": len(self.pinned),

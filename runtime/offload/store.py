@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from ..kernels.stored import StoredMatrix, kernel_type, row_bytes
 from ..model.loader import PROJECTIONS, ExpertRefs, LoadedModel
 from .experts import ExpertWeights, assemble
-from .read_costs import ReadCosts
 from .reader import (ALIGN, BufferPool, FileReader, aligned_empty, coalesce, read_failed, reset_warnings,  # noqa: F401
                      short_read, warn_once)
 
@@ -113,7 +112,6 @@ class ExpertStore:
         self._bytes: dict[tuple[int, int], int] = {}
         self._direct: dict[tuple[int, int], bool] = {}
         self._templates: dict[tuple[int, int], tuple | None] = {}
-        self.read_costs = ReadCosts()  # what starting a background read costs against its landing
         # O_DIRECT fetches on the extension's I/O threads, which never take the GIL: a Python fetch
         # thread runs each read's Python with the GIL held, and a draft beside prefetches on them
         # ran 1.42x its time without prefetch, against 1.13x on these threads (docs/performance/
@@ -190,39 +188,20 @@ class ExpertStore:
         return list(self._pool.map(lambda e: self.read(layer, e), experts))
 
     def submit(self, layer: int, experts: list[int]):
-        """Start reading ``experts`` on the fetch threads; returns futures (one per expert). What
-        starting them took and when each lands go to `read_costs` (the prefetch gate)."""
-        t0 = time.perf_counter()
+        """Start reading ``experts`` on the fetch threads; returns futures (one per expert)."""
         if self.native:
-            futures = [NativeFetch(self, layer, e, t0) if self.direct(layer, e) else self._timed(layer, e, t0)
-                       for e in experts]
-            self.read_costs.observe_start(time.perf_counter() - t0, len(futures))
+            return [NativeFetch(self, layer, e) if self.direct(layer, e) else self._pool.submit(self.read, layer, e)
+                    for e in experts]
+        if self._pool is None:
+            from concurrent.futures import Future
+
+            futures = []
+            for e in experts:
+                f = Future()
+                f.set_result(self.read(layer, e))
+                futures.append(f)
             return futures
-        if self._pool is not None:
-            futures = [self._timed(layer, e, t0) for e in experts]
-            self.read_costs.observe_start(time.perf_counter() - t0, len(futures))
-            return futures
-        return self._read_now(layer, experts)
-
-    def _timed(self, layer: int, expert: int, started: float):
-        """A read on the Python fetch threads; its landing time is noted when it finishes."""
-        future = self._pool.submit(self.read, layer, expert)
-        costs = self.read_costs
-        # (a cancelled or failed read landed nothing)
-        future.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or
-                                 costs.observe_landing(time.perf_counter() - started))
-        return future
-
-    def _read_now(self, layer: int, experts: list[int]):
-        """No fetch threads: each read happens here, before the call returns (nothing to gate)."""
-        from concurrent.futures import Future
-
-        futures = []
-        for e in experts:
-            f = Future()
-            f.set_result(self.read(layer, e))
-            futures.append(f)
-        return futures
+        return [self._pool.submit(self.read, layer, e) for e in experts]
 
     def direct(self, layer: int, expert: int) -> bool:
         """Whether every file of the expert is read with O_DIRECT."""
@@ -269,10 +248,8 @@ class NativeFetch:
     `cancel`, and `done_at` (when the bytes landed, in `time.perf_counter` seconds). No Python
     runs for it until the pass collects it; `result` then checks and assembles the weights."""
 
-    def __init__(self, store: ExpertStore, layer: int, expert: int, started: float | None = None):
-        """``started``: when the caller began starting it (perf_counter seconds), for `read_costs`."""
+    def __init__(self, store: ExpertStore, layer: int, expert: int):
         self.store, self.layer, self.expert = store, layer, expert
-        self._started = started
         reader = store.reader
         self._parts = []  # (span, members, buffer, head, read)
         for span, members, head, size in store.plan(layer, expert)[3]:
@@ -320,7 +297,5 @@ class NativeFetch:
             reader.check_unchanged(path, where, landed)
         self._weights = store._assemble(refs, raws)
         self._done_at = self.done_at  # (kept: the parts go)
-        if self._started is not None and self._done_at is not None:
-            store.read_costs.observe_landing(self._done_at - self._started)
         self._parts = []  # the buffers now belong to the weights
         return self._weights
