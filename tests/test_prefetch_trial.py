@@ -104,6 +104,9 @@ def test_only_a_live_host_run_of_a_drafting_method_with_prefetch_tries():
     ar = SpeculativeDecoder(engine.model, get_method("ar"), SpecSettings(), COSTS, live=True)
     assert ar.trial is None
     engine.close()
+    engine = build_engine(str(DEFAULT_MODEL), "1.0", 64)  # every expert resident: nothing to read ahead
+    assert _decoder(engine).trial is None
+    engine.close()
     dev = B.select_backend("cupy", module=fake_cupy.module)  # a device's compute is not the CPU's
     engine = build_engine(str(DEFAULT_MODEL), "0.25", 64, backend=dev)
     assert _decoder(engine).trial is None

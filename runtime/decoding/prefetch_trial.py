@@ -6,7 +6,9 @@ draft. Which one wins depends on the model and the machine (docs/performance/s2m
 "Prefetch where it is measured to pay"). On this 2-vCPU VM:
 - embedded model, 168 KiB experts: prefetch saved verification 70 µs of reads a token and made
   each draft pass 96 µs dearer. S²-MoE ran 4-20 % slower with it;
-- widened model, 3 MiB experts: it hides 8-13 ms of reads a token.
+- widened model, 3 MiB experts: verification waited 0.7-0.8 ms a token less with it, and the draft
+  took about as much longer (2 rounds, within noise of each other). The 4.6-10 ms of reads it ran
+  beside compute overstate what it saves: verification's own reads overlap much of that time.
 
 A proxy for this (how long a read takes to land against what starting it costs the caller) told
 the two apart on a quiet machine (ratios 11-13 against 26-282), but not under load: a start then
@@ -27,6 +29,17 @@ resident can change the tokens).
 """
 
 from __future__ import annotations
+
+
+def trial_for(model, method, settings, live: bool) -> "PrefetchTrial | None":
+    """A trial for a decoder that drafts and prefetches on the host with live costs, else None
+    (``settings.prefetch_always``: every iteration prefetches)."""
+    on_device = getattr(getattr(model, "backend", None), "on_device", False)
+    cache = model.experts
+    if (live and settings.prefetch and not settings.prefetch_always and not on_device and method.admit != "none"
+            and getattr(cache, "prefetch_slots", 0) > 0 and hasattr(cache, "hold_back")):
+        return PrefetchTrial()
+    return None
 
 
 class _Side:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .cost_model import CostConstants
 from .live_costs import LiveCosts
-from .prefetch_trial import PrefetchTrial
+from .prefetch_trial import trial_for
 from .rate_guard import RateGuard
 from ..engine import phase_of
 from .generate import GenerationResult
@@ -92,11 +92,7 @@ class SpeculativeDecoder:
         self.settings = settings.validate(c.top_k, c.num_experts)
         self.top_k = c.top_k
         self.cache = model.experts
-        # on the host, prefetch only where the run measures it paying (prefetch_trial.py). It follows
-        # the clock, so, as the guard, only with live costs: with fixed ones a run decides alike anywhere
-        on_device = getattr(getattr(model, "backend", None), "on_device", False)
-        self.trial = (PrefetchTrial() if live and settings.prefetch and not settings.prefetch_always and not on_device
-                      and method.admit != "none" and hasattr(self.cache, "hold_back") else None)
+        self.trial = trial_for(model, method, settings, live)  # prefetch where measured to pay, or None
         self._hold_back = False  # this iteration's guesses are not read ahead (the trial's choice)
         resident = getattr(self.cache, "resident_mask", None) if settings.draft_resident else None
         self.draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk),
@@ -579,11 +575,11 @@ class SpeculativeDecoder:
                 kv.rollback(P)  # context alignment: draft KV never reaches the committed cache
             if not branches[0].tokens:  # nothing admitted: the verification is a plain AR step
                 self.metrics.empty_drafts += 1
-            verify_stats = self.cache.stats["verify"] if self.trial is not None else None
-            waited = verify_stats.fetch_seconds if verify_stats is not None else 0.0
+            waited = self.cache.stats["verify"].fetch_seconds if self.trial else 0.0  # (the trial's saving)
             accepted, nxt = self._verify(root, P, branches, kv, draws, len(out))
-            if verify_stats is not None:  # what prefetch added to the draft against what it saved verification
-                self.trial.observe(drafted_for, self.metrics.draft_passes - passes, verify_stats.fetch_seconds - waited)
+            if self.trial:  # what prefetch added to the draft against what it saved verification
+                self.trial.observe(drafted_for, self.metrics.draft_passes - passes,
+                                   self.cache.stats["verify"].fetch_seconds - waited)
             if not m.share_kv:
                 # the draft cache is valid up to the accepted tokens only if it holds the accepted
                 # branch (the last one drafted); otherwise keep the root and catch up next time
