@@ -12,15 +12,17 @@ draft. Which one wins depends on the model and the machine (docs/performance/s2m
 
 A proxy for this (how long a read takes to land against what starting it costs the caller) told
 the two apart on a quiet machine (ratios 11-13 against 26-282), but not under load: a start then
-took 80-200 µs, and one widened run's ratio fell to 10, below the embedded model's. So the trial
-measures the trade itself, per speculative iteration:
-- the draft's seconds and passes (what prefetch adds to the draft: its starts, and the I/O threads
-  beside its compute);
-- the seconds verification waited for reads (what prefetch saves it).
+took 80-200 µs, and one widened run's ratio fell to 10, below the embedded model's. Pricing the
+parts (the draft's added seconds per pass against verification's saved wait) chose prefetch on
+the widened model, where 6 rounds measured it 5 % slower: it missed verification's own added
+compute and AE's shorter drafts (AE's live C_draft carries prefetch's costs). So the trial judges
+each way on the whole iteration: seconds per token, the tokens counted as AE expected them (1 +
+its drafted tokens' prefix acceptance probabilities, as the rate guard counts them: how many one
+iteration happens to keep swings several-fold).
+
 A run starts with ``trial`` iterations each way, taking turns, so drift reaches both alike. It then
-prefetches if what prefetch saved per verification exceeds what it added per draft pass times the
-draft passes per verification, holds that choice for ``hold`` iterations, and tries again. Evidence
-from earlier trials counts half at each new one.
+keeps the way with fewer seconds per expected token for ``hold`` iterations, and tries again.
+Evidence from earlier trials counts half at each new one.
 
 Only the host decides so: a device's compute does not wait on the CPU that starts its copies. And
 only runs with live cost constants do: it follows the clock, as the rate guard does, and a run
@@ -46,20 +48,22 @@ class _Side:
     """Sums over the trial iterations taken one way."""
 
     def __init__(self):
-        self.iterations = self.passes = 0.0
-        self.draft_seconds = self.wait_seconds = 0.0
+        self.iterations = self.seconds = self.tokens = 0.0
 
-    def add(self, draft_seconds: float, passes: int, wait_seconds: float) -> None:
+    def add(self, seconds: float, tokens: float) -> None:
         self.iterations += 1
-        self.passes += passes
-        self.draft_seconds += draft_seconds
-        self.wait_seconds += wait_seconds
+        self.seconds += seconds
+        self.tokens += tokens
 
     def age(self, factor: float) -> None:
         self.iterations *= factor
-        self.passes *= factor
-        self.draft_seconds *= factor
-        self.wait_seconds *= factor
+        self.seconds *= factor
+        self.tokens *= factor
+
+    @property
+    def rate(self) -> float:
+        """Seconds per token."""
+        return self.seconds / self.tokens
 
 
 class PrefetchTrial:
@@ -77,15 +81,15 @@ class PrefetchTrial:
         self.now = self.step % 2 == 0 if self.step < 2 * self.trial else self.choice
         return self.now
 
-    def observe(self, draft_seconds: float, passes: int, wait_seconds: float) -> None:
-        """The iteration `prefetch_now` was last asked for: its draft's seconds and passes, and the
-        seconds its verification waited for reads."""
+    def observe(self, seconds: float, tokens: float) -> None:
+        """The iteration `prefetch_now` was last asked for: what it took, drafting and verifying, and
+        the tokens AE expected of it."""
         if self.now:
             self.on_iterations += 1
         else:
             self.off_iterations += 1
-        if self.step < 2 * self.trial:
-            self.sides[self.now].add(draft_seconds, passes, wait_seconds)
+        if self.step < 2 * self.trial and seconds > 0 and tokens > 0:
+            self.sides[self.now].add(seconds, tokens)
         self.step += 1
         if self.step == 2 * self.trial:
             self._decide()
@@ -96,18 +100,13 @@ class PrefetchTrial:
 
     def _decide(self) -> None:
         on, off = self.sides[True], self.sides[False]
-        if min(on.iterations, off.iterations) < self.min_iterations or not (on.passes and off.passes):
+        if min(on.iterations, off.iterations) < self.min_iterations:
             return  # too little to go on: keep the last choice
-        extra_per_pass = on.draft_seconds / on.passes - off.draft_seconds / off.passes
-        passes_per_verification = (on.passes + off.passes) / (on.iterations + off.iterations)
-        added = extra_per_pass * passes_per_verification
-        saved = off.wait_seconds / off.iterations - on.wait_seconds / on.iterations
-        self.choice = saved > added
-        self.decisions.append({"saved_ms": round(saved * 1e3, 4), "added_ms": round(added * 1e3, 4),
-                               "prefetch": self.choice})
+        self.choice = on.rate < off.rate
+        self.decisions.append({"ms_per_token_prefetching": round(on.rate * 1e3, 4),
+                               "ms_per_token_not": round(off.rate * 1e3, 4), "prefetch": self.choice})
 
     def to_dict(self) -> dict:
-        """Per verification: what prefetch saved verification's reads and added to the draft, at each
-        decision; and how many iterations prefetched."""
+        """Each decision (ms per expected token each way) and how many iterations went each way."""
         return {"decisions": self.decisions, "prefetched_iterations": self.on_iterations,
                 "held_back_iterations": self.off_iterations}

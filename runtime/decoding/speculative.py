@@ -575,11 +575,7 @@ class SpeculativeDecoder:
                 kv.rollback(P)  # context alignment: draft KV never reaches the committed cache
             if not branches[0].tokens:  # nothing admitted: the verification is a plain AR step
                 self.metrics.empty_drafts += 1
-            waited = self.cache.stats["verify"].fetch_seconds if self.trial else 0.0  # (the trial's saving)
             accepted, nxt = self._verify(root, P, branches, kv, draws, len(out))
-            if self.trial:  # what prefetch added to the draft against what it saved verification
-                self.trial.observe(drafted_for, self.metrics.draft_passes - passes,
-                                   self.cache.stats["verify"].fetch_seconds - waited)
             if not m.share_kv:
                 # the draft cache is valid up to the accepted tokens only if it holds the accepted
                 # branch (the last one drafted); otherwise keep the root and catch up next time
@@ -588,9 +584,11 @@ class SpeculativeDecoder:
                 draft_kv.commit(draft_kv.filled)
             done = emit(accepted + [nxt])
             self._cascade_observe(length, len(accepted) + 1, time.perf_counter() - started)
+            took, expected = time.perf_counter() - started, _expected_tokens(branches[0].p_accept)
             if self.guard is not None:
-                self.guard.observe(True, len(accepted) + 1, time.perf_counter() - started,
-                                   _expected_tokens(branches[0].p_accept))
+                self.guard.observe(True, len(accepted) + 1, took, expected)
+            if self.trial is not None:  # each way of prefetching judged on seconds per expected token
+                self.trial.observe(took, expected)
         decode = time.perf_counter() - t1
         if self.draft_head is not None:  # which emitted tokens the draft head could have proposed
             self.metrics.draft_vocab = self.draft_head.size
