@@ -6,9 +6,10 @@ draft. Which one wins depends on the model and the machine (docs/performance/s2m
 "Prefetch where it is measured to pay"). On this 2-vCPU VM:
 - embedded model, 168 KiB experts: prefetch saved verification 70 µs of reads a token and made
   each draft pass 96 µs dearer. S²-MoE ran 4-20 % slower with it;
-- widened model, 3 MiB experts: verification waited 0.7-0.8 ms a token less with it, and the draft
-  took about as much longer (2 rounds, within noise of each other). The 4.6-10 ms of reads it ran
-  beside compute overstate what it saves: verification's own reads overlap much of that time.
+- widened model, 3 MiB experts: it cut verification's wait from 2.38 to 2.00 ms a token and added
+  0.93 ms of draft compute and 0.22 of verification's; 6 rounds ran 5 % slower with it. The 8 ms
+  a token of reads it ran beside compute overstate what it saves: verification's own reads
+  overlap much of that time.
 
 A proxy for this (how long a read takes to land against what starting it costs the caller) told
 the two apart on a quiet machine (ratios 11-13 against 26-282), but not under load: a start then
@@ -18,7 +19,8 @@ the widened model, where 6 rounds measured it 5 % slower: it missed verification
 compute and AE's shorter drafts (AE's live C_draft carries prefetch's costs). So the trial judges
 each way on the whole iteration: seconds per token, the tokens counted as AE expected them (1 +
 its drafted tokens' prefix acceptance probabilities, as the rate guard counts them: how many one
-iteration happens to keep swings several-fold).
+iteration happens to keep swings several-fold). AE's shorter drafts it sees only in part: the two
+ways take turns under one set of live constants.
 
 A run starts with ``trial`` iterations each way, taking turns, so drift reaches both alike. It then
 keeps the way with fewer seconds per expected token for ``hold`` iterations, and tries again.
