@@ -90,8 +90,8 @@ class SpecSettings:
     # flight (None: 2 × top-k under a budget); each takes its room in the expert cache
     prefetch: bool = True
     prefetch_slots: int | None = None
-    # on the host with live costs, prefetch only where the run measures it saving verification more
-    # than it costs the draft (prefetch_trial.py); True: on every iteration
+    # on the host with live costs, prefetch only where a trial in the run measures it taking fewer
+    # seconds per token (prefetch_trial.py); True: on every iteration
     prefetch_always: bool = False
     # AE's p_i: "learned" (P(accepted | draft confidence) from the run's verifications; see
     # acceptance.py) or "confidence" (the draft's own probability, as the paper has it)

@@ -66,7 +66,7 @@ class PrefetchStats:
     refused: int = 0  # not started: no room in the cache (see borrowed) and no idle read buffer
     refused_keys: int = 0  # of those, distinct experts per iteration (a guess is refused after each draft token)
     borrowed: int = 0  # of those issued: read into the idle streaming workspace, the cache having no room
-    gated: int = 0  # calls (a draft token's guesses) held back: prefetch measured costing more than it saves
+    gated: int = 0  # calls (a draft token's guesses) held back by the prefetch trial
     read_seconds: float = 0.0  # of the prefetches used: issue to completion
     waited_seconds: float = 0.0  # of those, what a pass still waited
     # verification's reads no prefetch had started, by why: the guess was refused (no room), left
@@ -450,8 +450,9 @@ class ExpertCache:
         return started
 
     def hold_back(self, keys: Iterable[Key]) -> None:
-        """A draft's guesses not read ahead (the decoder measured prefetch costing more than it
-        saves: decoding/prefetch_trial.py); verification's reads of them count as ``missed_gated``."""
+        """A draft's guesses not read ahead (the decoder's trial measured prefetch slower, or is
+        trying the way without it: decoding/prefetch_trial.py); verification's reads of them count
+        as ``missed_gated``."""
         self.prefetch_stats.gated += 1
         self._gated.update(keys)
 
