@@ -399,7 +399,7 @@ PREFETCH: list[Mutation] = [
              "        return self.seconds / self.tokens", "        return self.seconds / self.iterations",
              ["tests/test_prefetch_trial.py", "-k", "turns"], "a way whose iterations keep more tokens is judged slower"),
     Mutation("held-back-guesses-read-ahead", "runtime/decoding/speculative.py",
-             "            if self._hold_back:\n                self.cache.hold_back(keys)\n            else:\n                prefetch(sorted(keys))",
+             "            if self.trial is not None and not self.trial.now:  # the trial's way this iteration\n                self.cache.hold_back(keys)\n            else:\n                prefetch(sorted(keys))",
              "            prefetch(sorted(keys))", ["tests/test_prefetch_trial.py", "-k", "feeds"],
              "an iteration the trial holds back reads ahead all the same"),
     Mutation("gated-misses-unnamed", "runtime/offload/cache.py",

@@ -11,16 +11,13 @@ draft. Which one wins depends on the model and the machine (docs/performance/s2m
   a token of reads it ran beside compute overstate what it saves: verification's own reads
   overlap much of that time.
 
-A proxy for this (how long a read takes to land against what starting it costs the caller) told
-the two apart on a quiet machine (ratios 11-13 against 26-282), but not under load: a start then
-took 80-200 µs, and one widened run's ratio fell to 10, below the embedded model's. Pricing the
-parts (the draft's added seconds per pass against verification's saved wait) chose prefetch on
-the widened model, where 6 rounds measured it 5 % slower: it missed verification's own added
-compute and AE's shorter drafts (AE's live C_draft carries prefetch's costs). So the trial judges
-each way on the whole iteration: seconds per token, the tokens counted as AE expected them (1 +
-its drafted tokens' prefix acceptance probabilities, as the rate guard counts them: how many one
-iteration happens to keep swings several-fold). AE's shorter drafts it sees only in part: the two
-ways take turns under one set of live constants.
+So the trial judges each way on the whole iteration: seconds per token, the tokens counted as AE
+expected them, as the rate guard counts them (how many one iteration happens to keep swings
+several-fold). Two cheaper signals were tried first and misjudged: how long a read takes to land
+against what starting it costs (under load the two models' ratios overlapped), and the draft's
+added seconds against verification's saved wait (it missed verification's added compute and AE's
+shorter drafts). AE's shorter drafts the trial sees only in part: the two ways take turns under
+one set of live constants.
 
 A run starts with ``trial`` iterations each way, taking turns, so drift reaches both alike. It then
 keeps the way with fewer seconds per expected token for ``hold`` iterations, and tries again.

@@ -93,7 +93,6 @@ class SpeculativeDecoder:
         self.top_k = c.top_k
         self.cache = model.experts
         self.trial = trial_for(model, method, settings, live)  # prefetch where measured to pay, or None
-        self._hold_back = False  # this iteration's guesses are not read ahead (the trial's choice)
         resident = getattr(self.cache, "resident_mask", None) if settings.draft_resident else None
         self.draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk),
                                           allowed=(lambda L: resident(L, c.num_experts)) if resident else None,
@@ -127,7 +126,7 @@ class SpeculativeDecoder:
     def _prefetch(self, keys: set[Key]) -> None:
         prefetch = getattr(self.cache, "prefetch", None)
         if prefetch and self.settings.prefetch:
-            if self._hold_back:
+            if self.trial is not None and not self.trial.now:  # the trial's way this iteration
                 self.cache.hold_back(keys)
             else:
                 prefetch(sorted(keys))
@@ -552,7 +551,8 @@ class SpeculativeDecoder:
                 continue
             history = prompt + out
             feed = history[draft_kv.filled:] if not m.share_kv else [root]
-            self._hold_back = self.trial is not None and not self.trial.prefetch_now()
+            if self.trial is not None:
+                self.trial.prefetch_now()
             td, passes = time.perf_counter(), self.metrics.draft_passes
             with phase_of(self.model, "draft"):
                 root_logits, root_experts = self._draft_root(feed, draft_kv)
