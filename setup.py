@@ -13,7 +13,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = [os.path.join("csrc", "cpu", f) for f in ("module.c", "ops.c", "attend.c", "dot.c", "pool.c", "aio.c", "step.c", "predict.c", "pass.c")]
+SOURCES = [os.path.join("csrc", "cpu", f) for f in ("module.c", "ops.c", "attend.c", "dot.c", "dot512.c", "pool.c", "aio.c", "step.c", "predict.c", "pass.c")]
 
 
 class OptionalBuildExt(build_ext):

@@ -66,6 +66,9 @@ def _no_state_between_tests():
         return
     if hasattr(_cpu, "act_q8"):  # a copy built before the switch existed (stress, mutants) has none
         _cpu.act_q8(1)
+    if hasattr(_cpu, "rows4"):
+        _cpu.rows4(1)
+        _cpu.use_avx512(1)
 
 
 @pytest.fixture

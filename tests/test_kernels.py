@@ -48,15 +48,21 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-@pytest.fixture(params=["simd", "portable"])
+@pytest.fixture(params=["simd", "avx2", "portable"])
 def ops(request):
+    """The kernels on each path this CPU has: the best SIMD (AVX-512 for plain rows where the CPU has
+    it), AVX2 alone, and portable C."""
     from s2moe import _cpu
 
-    want = request.param == "simd"
+    want = request.param != "portable"
     if want and not _cpu.use_simd(True):
         pytest.skip("this CPU has no AVX2+FMA+F16C: only the portable path exists here")
+    if request.param == "avx2" and not _cpu.use_avx512(1):
+        pytest.skip("this CPU has no AVX-512: the 'simd' case already runs AVX2 alone")
     _cpu.use_simd(want)
+    _cpu.use_avx512(request.param == "simd")
     yield cpu.CpuOps(threads=2)
+    _cpu.use_avx512(1)
     _cpu.use_simd(True)
 
 
@@ -89,6 +95,44 @@ def test_plain_types_take_rows_that_are_not_whole_simd_groups(ops, rng):
         got = np.empty((T, 40), np.float32)
         _cpu.matmul(W.data, W.type_id, 40, K, x, got)
         assert rel_err(got, ref.linear(x, W)) <= REL, (dtype, K, T)
+
+
+@pytest.mark.parametrize("avx512", (1, 0), ids=("avx512", "avx2"))
+@pytest.mark.parametrize("dtype", ("F32", "F16", "BF16"))
+def test_one_tokens_products_give_the_same_bits_four_rows_at_a_time_and_in_a_batch(dtype, avx512, rng):
+    """A token's row products must not depend on how they are scheduled: greedy speculation equals
+    AR only if a verification batch's rows give each token the bits its own pass gives. One token
+    takes plain rows four at a time (`_cpu.rows4`), a batch one row at a time; both, and the rows
+    left over past a multiple of four, must give the same bits, beside the reference. So on AVX2,
+    and so on AVX-512, whose sums differ from AVX2's by rounding."""
+    from s2moe import _cpu
+
+    if not _cpu.use_simd(True):
+        pytest.skip("this CPU has no AVX2+FMA+F16C: the portable path has no four-row form")
+    if _cpu.use_avx512(avx512) != bool(avx512):
+        assert not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags(), "the CPU lists AVX-512 (F, BW, VL), refused"
+        pytest.skip("this CPU has no AVX-512 (F, BW, VL): the AVX2 case covers it")
+    assert ("+avx512" in _cpu.path().replace("+avx512vnni", "")) == bool(avx512)
+    try:
+        # rows: whole fours, fours and a rest; K: whole groups of 32, groups + 8s + a scalar rest
+        for N, K in itertools.product((4, 64, 67, 6), (256, 112, 75, 1024, 17, 48)):
+            W = random_matrix(rng, dtype, N, K)
+            x = rng.standard_normal((5, K)).astype(np.float32)
+            one = {}
+            for on in (1, 0):
+                assert _cpu.rows4(on) == bool(on)
+                one[on] = np.empty((1, N), np.float32)
+                _cpu.matmul(W.data, W.type_id, N, K, x[:1], one[on])
+            assert np.array_equal(one[1], one[0]), (dtype, N, K)
+            _cpu.rows4(1)
+            for T in (2, 4, 5):  # the token inside a batch, with other tokens beside it
+                batch = np.empty((T, N), np.float32)
+                _cpu.matmul(W.data, W.type_id, N, K, x[:T], batch)
+                assert np.array_equal(batch[:1], one[1]), (dtype, N, K, T)
+                assert rel_err(batch, ReferenceOps().linear(x[:T], W)) <= REL, (dtype, N, K, T)
+    finally:
+        _cpu.rows4(1)
+        _cpu.use_avx512(1)
 
 
 @pytest.mark.parametrize("dtype", TYPES)

@@ -47,6 +47,13 @@ int dot_act_q8(int on) {
     return act_q8;
 }
 
+static int rows4_on = 1; /* one token against plain rows four at a time (the same bits) */
+
+int dot_rows4(int on) {
+    if (on >= 0) rows4_on = on != 0;
+    return rows4_on;
+}
+
 /* One token's x [K] as int8 blocks of 32 and their scales (the reference's rounding, bit for bit). */
 static void quant_act_portable(const float *x, long K, int8_t *q, float *d) {
     for (long g = 0; g < K / 32; g++) {
@@ -248,6 +255,47 @@ INLINE_AVX2 void row_tmpl(const int TYPE, const int NB, const uint8_t *row, long
     }
 }
 
+/* Four plain rows against one token. Each row's operations are row_tmpl's for NB = 1, in the same
+ * order, so each gives the same bits; what changes is that four rows' eight FMA chains run side by
+ * side. One row's two chains wait on the FMA's latency (about 4 cycles), which held a decode
+ * token's F16 products at about 5 weights a cycle on data in cache: twice slower than the
+ * conversions allow (docs/performance/kernels.md, "Four rows at a time"). */
+INLINE_AVX2 void rows4_tmpl(const int TYPE, const uint8_t *W, size_t rb, long K, const float *x, float *y, long r) {
+    const long G = K / 32;
+    const uint8_t *row[4] = {W + (size_t)r * rb, W + (size_t)(r + 1) * rb, W + (size_t)(r + 2) * rb,
+                             W + (size_t)(r + 3) * rb};
+    __m256 a[4][2];
+    for (int i = 0; i < 4; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (long g = 0; g < G; g++) {
+        const float *p = x + 32 * g;
+        const __m256 x0 = _mm256_loadu_ps(p), x1 = _mm256_loadu_ps(p + 8), x2 = _mm256_loadu_ps(p + 16),
+                     x3 = _mm256_loadu_ps(p + 24);
+        for (int i = 0; i < 4; i++) {
+            __m256 w[4];
+            /* the next four rows' line: four rows read side by side are not one stream to the
+             * hardware prefetcher, and rows from L3 or memory then waited on every line */
+            _mm_prefetch((const char *)row[i] + 4 * rb + (TYPE == T_F32 ? 128 : 64) * g, _MM_HINT_T0);
+            load_plain(TYPE, row[i], g, w);
+            a[i][0] = _mm256_fmadd_ps(w[0], x0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(w[1], x1, a[i][1]);
+            a[i][0] = _mm256_fmadd_ps(w[2], x2, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(w[3], x3, a[i][1]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        long k8 = 32 * G;
+        for (; k8 + 8 <= K; k8 += 8) a[i][0] = _mm256_fmadd_ps(load_plain8(TYPE, row[i], k8), _mm256_loadu_ps(x + k8), a[i][0]);
+        float s = hsum(_mm256_add_ps(a[i][0], a[i][1])) + 0.0f; /* (row_tmpl adds its bias sum, 0 here) */
+        for (; k8 < K; k8++) {
+            float wk = TYPE == T_F32   ? ((const float *)row[i])[k8]
+                       : TYPE == T_F16 ? f16_to_f32(rd16(row[i] + 2 * k8))
+                                       : bf16_to_f32(rd16(row[i] + 2 * k8));
+            s += wk * x[k8];
+        }
+        y[r + i] = s;
+    }
+}
+
 /* Rows outside, tokens inside: each row is read from memory once for the whole batch. ROW is
  * row_tmpl (float tokens, their group sums) or row_q8act (int8 tokens, their scales). */
 #define ROWS_OF(NAME, ROW, TYPE, XT) ROWS_OF_AS(AVX2, NAME, ROW, TYPE, XT)
@@ -266,10 +314,19 @@ INLINE_AVX2 void row_tmpl(const int TYPE, const int NB, const uint8_t *row, long
         }                                                                                           \
     }
 #define ROWS_FN(NAME, TYPE) ROWS_OF(NAME, row_tmpl, TYPE, const float *const *)
+/* Plain rows: one token takes four rows at a time (rows4_tmpl, the same bits as row_tmpl). */
+#define ROWS_PLAIN(NAME, TYPE)                                                                      \
+    ROWS_OF(NAME##_rows, row_tmpl, TYPE, const float *const *)                                      \
+    AVX2 static void NAME(const uint8_t *W, size_t rb, long K, long r0, long r1, const float *const *xs, \
+                          const float *const *xsum, float *const *ys, int nb) {                     \
+        if (nb == 1 && rows4_on)                                                                    \
+            for (; r0 + 4 <= r1; r0 += 4) rows4_tmpl(TYPE, W, rb, K, xs[0], ys[0], r0);             \
+        NAME##_rows(W, rb, K, r0, r1, xs, xsum, ys, nb);                                            \
+    }
 
-ROWS_FN(rows_f32, T_F32)
-ROWS_FN(rows_f16, T_F16)
-ROWS_FN(rows_bf16, T_BF16)
+ROWS_PLAIN(rows_f32, T_F32)
+ROWS_PLAIN(rows_f16, T_F16)
+ROWS_PLAIN(rows_bf16, T_BF16)
 ROWS_FN(rows_q8_0, T_Q8_0)
 ROWS_FN(rows_q4_0, T_Q4_0)
 ROWS_FN(rows_mxfp4, T_MXFP4)
@@ -394,6 +451,8 @@ static void rows_dot_avx2(int type, const uint8_t *W, size_t rb, long K, long r0
 
 static int use_avx2 = -1; /* -1: not decided yet */
 static int use_vnni;      /* the int8 rows' VNNI products (with use_avx2 only): 0 none, 1 AVX-VNNI, 2 AVX-512 VNNI */
+static int use_avx512;    /* plain rows on AVX-512 (with use_avx2 only) */
+static int want_avx512 = 1;
 static int want_vnni = 1; /* what `dot_use_vnni` last asked for: kept when the SIMD path is switched */
 
 int dot_use_simd(int want) {
@@ -406,7 +465,15 @@ int dot_use_simd(int want) {
     use_avx2 = 0;
 #endif
     dot_use_vnni(want_vnni);
+    dot_use_avx512(want_avx512);
     return use_avx2;
+}
+
+int dot_use_avx512(int want) {
+    if (use_avx2 < 0) dot_use_simd(1);
+    if (want >= 0) want_avx512 = want != 0;
+    use_avx512 = use_avx2 && want_avx512 && dot512_available();
+    return use_avx512;
 }
 
 int dot_vnni_built(void) {
@@ -438,7 +505,10 @@ int dot_simd(void) {
 
 const char *dot_path(void) {
     if (use_avx2 < 0) dot_use_simd(1);
-    return !use_avx2 ? "portable" : use_vnni == 1 ? "avx2+fma+f16c+avxvnni" : use_vnni == 2 ? "avx2+fma+f16c+avx512vnni" : "avx2+fma+f16c";
+    if (!use_avx2) return "portable";
+    static const char *names[2][3] = {{"avx2+fma+f16c", "avx2+fma+f16c+avxvnni", "avx2+fma+f16c+avx512vnni"},
+                                      {"avx2+fma+f16c+avx512", "avx2+fma+f16c+avx512+avxvnni", "avx2+fma+f16c+avx512+avx512vnni"}};
+    return names[use_avx512 ? 1 : 0][use_vnni];
 }
 
 /* Q8_0 / Q4_0 rows against int8 activations: each call quantises its tokens once (a call is one
@@ -483,7 +553,10 @@ void rows_dot(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, c
     }
 #ifdef HAVE_AVX2_PATH
     if (use_avx2) {
-        rows_dot_avx2(type, W, rb, K, r0, r1, xs, ys, nb);
+        if (use_avx512 && (type == T_F32 || type == T_F16 || type == T_BF16))
+            rows_plain_avx512(type, W, rb, K, r0, r1, xs, ys, nb, rows4_on);
+        else
+            rows_dot_avx2(type, W, rb, K, r0, r1, xs, ys, nb);
         return;
     }
 #endif

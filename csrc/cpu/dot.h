@@ -20,6 +20,16 @@ int dot_vnni_built(void);
 int dot_simd(void);
 /* Q8_0 / Q4_0 rows against int8-quantised activations (1, the default) or float ones (0); -1 asks. */
 int dot_act_q8(int on);
+/* One token against plain rows four at a time (1, the default) or one at a time (0): the same bits,
+ * a switch for benchmarks and tests; -1 asks. */
+int dot_rows4(int on);
+/* Plain rows (F32, F16, BF16) on AVX-512 (dot512.c) where the CPU has it: want 1 (the default) or 0
+ * (AVX2's sums, for tests and benchmarks); -1 asks. Returns the choice. */
+int dot_use_avx512(int want);
+/* dot512.c: whether this build and CPU have its path, and its rows (`four`: one token four rows at a time). */
+int dot512_available(void);
+void rows_plain_avx512(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const float *const *xs,
+                       float *const *ys, int nb, int four);
 /* "avx2+fma+f16c" or "portable". */
 const char *dot_path(void);
 

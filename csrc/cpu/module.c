@@ -371,6 +371,20 @@ static PyObject *py_use_vnni(PyObject *self, PyObject *args) {
     return PyLong_FromLong(dot_use_vnni(want));
 }
 
+static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
+    (void)self;
+    int want = -1;
+    if (!PyArg_ParseTuple(args, "|i", &want)) return NULL;
+    return PyBool_FromLong(dot_use_avx512(want < 0 ? -1 : want != 0));
+}
+
+static PyObject *py_rows4(PyObject *self, PyObject *args) {
+    (void)self;
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|i", &on)) return NULL;
+    return PyBool_FromLong(dot_rows4(on < 0 ? -1 : on != 0));
+}
+
 static PyObject *py_act_q8(PyObject *self, PyObject *args) {
     int on = -1;
     if (!PyArg_ParseTuple(args, "|i", &on)) return NULL;
@@ -401,8 +415,10 @@ static PyMethodDef methods[] = {
     {"hold_workers", py_hold_workers, METH_VARARGS, "hold_workers(on): tests; workers wait before joining a job while on"},
     {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},
     {"use_vnni", py_use_vnni, METH_VARARGS, "use_vnni(want: 0 off, 1 best, 2 AVX-512 only) -> the int8 rows' VNNI products: 0 none, 1 AVX-VNNI, 2 AVX-512 VNNI (same bits)"},
+    {"use_avx512", py_use_avx512, METH_VARARGS, "use_avx512([want]) -> whether plain rows (F32, F16, BF16) take AVX-512 (the default where the CPU has it)"},
+    {"rows4", py_rows4, METH_VARARGS, "rows4([on]) -> whether one token takes plain rows four at a time (the default; the same bits)"},
     {"act_q8", py_act_q8, METH_VARARGS, "act_q8([on]) -> whether Q8_0 / Q4_0 rows meet int8 activations (the default)"},
-    {"path", py_path, METH_NOARGS, "the code path in use: avx2+fma+f16c or portable"},
+    {"path", py_path, METH_NOARGS, "the code path in use: portable, or avx2+fma+f16c with +avx512 (plain rows) and a VNNI form"},
     {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(type, K): bytes of one stored row (0: not whole blocks)"},
     {NULL, NULL, 0, NULL},
 };
