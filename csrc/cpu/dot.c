@@ -258,8 +258,8 @@ INLINE_AVX2 void row_tmpl(const int TYPE, const int NB, const uint8_t *row, long
 /* Four plain rows against one token. Each row's operations are row_tmpl's for NB = 1, in the same
  * order, so each gives the same bits; what changes is that four rows' eight FMA chains run side by
  * side. One row's two chains wait on the FMA's latency (about 4 cycles), which held a decode
- * token's F16 products at about 5 weights a cycle on data in cache: twice slower than the
- * conversions allow (docs/performance/kernels.md, "Four rows at a time"). */
+ * token's F16 products at about 5 weights a cycle on data in cache (docs/performance/
+ * row-products.md). */
 INLINE_AVX2 void rows4_tmpl(const int TYPE, const uint8_t *W, size_t rb, long K, const float *x, float *y, long r) {
     const long G = K / 32;
     const uint8_t *row[4] = {W + (size_t)r * rb, W + (size_t)(r + 1) * rb, W + (size_t)(r + 2) * rb,

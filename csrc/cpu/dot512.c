@@ -1,7 +1,7 @@
 /* Plain rows (F32, F16, BF16) against float tokens on AVX-512: sixteen weights a conversion and an
- * FMA, where AVX2 takes eight. A decode token's F16 products ran at the AVX2 conversions' rate
- * (about 8 weights a cycle) on data in cache, and a verification batch's at its FMAs' rate
- * (docs/performance/kernels.md, "Four rows at a time, and AVX-512 for plain rows").
+ * FMA, where AVX2 takes eight. A verification's few tokens are bound by that arithmetic (five
+ * tokens read F16 rows at 22-31 GB/s, one token at 50), and here take 0.87-0.95x AVX2's time; one
+ * token reads at the caches' rate either way (docs/performance/row-products.md).
  *
  * The sums are not AVX2's: sixteen lanes, two chains per row (elements 0-15 and 16-31 of each group
  * of 32), a row's last elements under a mask, then the compiler's fixed reduction. They are the
