@@ -1,10 +1,13 @@
-"""Plain (F16) rows on three paths, taking turns in one process: AVX2 a row at a time (the kernels
-before e7c7b0a), AVX2 with one token taking four rows at a time, and AVX-512 (four rows too).
-`_cpu.rows4` and `_cpu.use_avx512` switch them; all give a token the same bits alone or in a batch
-(tests/test_kernels.py), so a run decodes the same tokens on each path and only time moves.
+"""Row products on three paths, taking turns in one process: AVX2 a row at a time (the kernels
+before e7c7b0a), AVX2 with one token taking four rows at a time, and AVX-512 for plain rows (four
+rows too). `_cpu.rows4` and `_cpu.use_avx512` switch them; all give a token the same bits alone or
+in a batch (tests/test_kernels.py), so a run decodes the same tokens on each path and only time
+moves. Int8 rows (Q8_0, Q4_0 against int8 activations) take their VNNI products on both of the last
+two paths: for them those columns are the same code.
 
     python benchmarks/plain_rows.py [--reps 6] [--model DIR] [--budget 0.25] [--workloads humaneval]
-                                    [--n-prompts 3] [--out docs/results/plain-rows/widened] [bench args]
+                                    [--n-prompts 3] [--types F16] [--no-runs]
+                                    [--out docs/results/plain-rows/widened] [bench args]
 
 Two measurements, the paths taking turns in each repetition:
 - products: the widened model's shapes (a 6144 × 1024 head, 512 × 1024 and 1024 × 512 expert rows,
@@ -40,7 +43,7 @@ def use(path: str) -> None:
     _cpu.use_avx512(path == PATHS[2])
 
 
-def products(reps: int) -> dict[str, dict[str, list[float]]]:
+def products(reps: int, types: list[str]) -> dict[str, dict[str, list[float]]]:
     """µs per product, per shape and path."""
     from s2moe import _cpu
     from s2moe.runtime.kernels.cpu import CpuOps
@@ -49,13 +52,14 @@ def products(reps: int) -> dict[str, dict[str, list[float]]]:
     CpuOps()  # the kernels' two threads, as in a run
     rng = np.random.default_rng(0)
     cases = []
-    for N, K, copies in ((6144, 1024, 4), (512, 1024, 40), (1024, 512, 40), (6144, 256, 8)):
-        Ws = [StoredMatrix.from_float((rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), "F16")
-              for _ in range(copies)]
-        for T in (1, 5):
-            x = rng.standard_normal((T, K)).astype(np.float32)
-            out = np.empty((T, N), np.float32)
-            cases.append((f"F16 {N}x{K} T={T}", Ws, N, K, x, out))
+    for dtype in types:
+        for N, K, copies in ((6144, 1024, 4), (512, 1024, 40), (1024, 512, 40), (6144, 256, 8)):
+            Ws = [StoredMatrix.from_float((rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32), dtype)
+                  for _ in range(copies)]
+            for T in (1, 5):
+                x = rng.standard_normal((T, K)).astype(np.float32)
+                out = np.empty((T, N), np.float32)
+                cases.append((f"{dtype} {N}x{K} T={T}", Ws, N, K, x, out))
     times: dict[str, dict[str, list[float]]] = {c[0]: {p: [] for p in PATHS} for c in cases}
     for rep in range(reps):
         for label, Ws, N, K, x, out in cases:
@@ -99,6 +103,8 @@ def main() -> None:
     ap.add_argument("--budget", default="0.25")
     ap.add_argument("--workloads", default="humaneval")
     ap.add_argument("--n-prompts", type=int, default=3)
+    ap.add_argument("--types", default="F16", help="stored types of the products (F16, BF16, Q8_0, Q4_0, ...)")
+    ap.add_argument("--no-runs", action="store_true", help="the products only")
     ap.add_argument("--out", default="docs/results/plain-rows/widened")
     args, extra = ap.parse_known_args()
 
@@ -108,15 +114,15 @@ def main() -> None:
         sys.exit("plain_rows: this CPU has no AVX-512 (F, BW, VL): only the AVX2 paths exist here")
     workloads = args.workloads.split(",")
     extra = ["--n-prompts", str(args.n_prompts)] + extra
-    prod = products(args.reps)
-    run = runs(args.reps, args.model, args.budget, workloads, extra)
+    prod = products(args.reps, args.types.split(","))
+    run = [] if args.no_runs else runs(args.reps, args.model, args.budget, workloads, extra)
     params = {"model": args.model or "embedded", "budget": args.budget, "n_prompts": args.n_prompts,
               "extra": extra, "kernels": _cpu.path()}
     records = []
     for label, by in prod.items():
         for path in PATHS:
             records.append(Record("plain-rows", f"{label}: {path}", "us", by[path], params={**params, "path": path}))
-    for wl in workloads:
+    for wl in workloads if run else []:
         for path in PATHS:
             rs = [r for r in run if r["workload"] == wl and r["path"] == path]
             for key, unit in (("ar", "tok/s"), ("s2moe", "tok/s"), ("ratio", "x"), ("draft_ms", "ms"),
@@ -130,6 +136,8 @@ def main() -> None:
     for label, by in prod.items():
         one, four, wide = (med(by[p]) for p in PATHS)
         print(f"| {label} | {one:.1f} µs | {four:.1f} µs | {wide:.1f} µs | {four / one:.2f}×, {wide / one:.2f}× |")
+    if not run:
+        return
     print()
     print("| workload | path | AR tok/s | S²-MoE tok/s | S²-MoE / AR | draft ms/token | verify ms/token | AR compute ms/token |")
     print("|---|---|---|---|---|---|---|---|")

@@ -69,6 +69,7 @@ def _no_state_between_tests():
     if hasattr(_cpu, "rows4"):
         _cpu.rows4(1)
         _cpu.use_avx512(1)
+        _cpu.use_vnni(1)
 
 
 @pytest.fixture

@@ -97,25 +97,35 @@ def test_plain_types_take_rows_that_are_not_whole_simd_groups(ops, rng):
         assert rel_err(got, ref.linear(x, W)) <= REL, (dtype, K, T)
 
 
-@pytest.mark.parametrize("avx512", (1, 0), ids=("avx512", "avx2"))
-@pytest.mark.parametrize("dtype", ("F32", "F16", "BF16"))
-def test_one_tokens_products_give_the_same_bits_four_rows_at_a_time_and_in_a_batch(dtype, avx512, rng):
+@pytest.mark.parametrize("best", (1, 0), ids=("best", "avx2"))
+@pytest.mark.parametrize("dtype", ("F32", "F16", "BF16", "Q8_0", "Q4_0"))
+def test_one_tokens_products_give_the_same_bits_four_rows_at_a_time_and_in_a_batch(dtype, best, rng):
     """A token's row products must not depend on how they are scheduled: greedy speculation equals
     AR only if a verification batch's rows give each token the bits its own pass gives. One token
-    takes plain rows four at a time (`_cpu.rows4`), a batch one row at a time; both, and the rows
-    left over past a multiple of four, must give the same bits, beside the reference. So on AVX2,
-    and so on AVX-512, whose sums differ from AVX2's by rounding."""
+    takes rows four at a time (`_cpu.rows4`), a batch one row at a time; both, and the rows left
+    over past a multiple of four, must give the same bits, beside the reference. So on AVX2, and
+    so on the best path this CPU has: AVX-512 for plain rows (its sums differ from AVX2's by
+    rounding), VNNI for int8 rows against int8 activations."""
     from s2moe import _cpu
 
     if not _cpu.use_simd(True):
         pytest.skip("this CPU has no AVX2+FMA+F16C: the portable path has no four-row form")
-    if _cpu.use_avx512(avx512) != bool(avx512):
-        assert not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags(), "the CPU lists AVX-512 (F, BW, VL), refused"
-        pytest.skip("this CPU has no AVX-512 (F, BW, VL): the AVX2 case covers it")
-    assert ("+avx512" in _cpu.path().replace("+avx512vnni", "")) == bool(avx512)
+    plain = dtype in ("F32", "F16", "BF16")
+    if best:
+        if plain and not _cpu.use_avx512(1):
+            assert not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags(), "the CPU lists AVX-512 (F, BW, VL), refused"
+            pytest.skip("this CPU has no AVX-512 (F, BW, VL): the AVX2 case covers plain rows")
+        if not plain and not _cpu.use_vnni(1):
+            pytest.skip("this CPU or build has no VNNI: the AVX2 case covers int8 rows")
+    else:
+        assert not _cpu.use_avx512(0) and not _cpu.use_vnni(0)
+    if plain:
+        assert ("+avx512" in _cpu.path().replace("+avx512vnni", "")) == bool(best)
+    # rows: whole fours, fours and a rest; K: whole groups of 32, groups + 8s + a scalar rest, masked
+    # tails of AVX-512 (int8 rows are whole groups)
+    Ks = (256, 112, 75, 1024, 17, 48) if plain else (256, 1024, 96, 32)
     try:
-        # rows: whole fours, fours and a rest; K: whole groups of 32, groups + 8s + a scalar rest
-        for N, K in itertools.product((4, 64, 67, 6), (256, 112, 75, 1024, 17, 48)):
+        for N, K in itertools.product((4, 64, 67, 6), Ks):
             W = random_matrix(rng, dtype, N, K)
             x = rng.standard_normal((5, K)).astype(np.float32)
             one = {}
@@ -133,6 +143,7 @@ def test_one_tokens_products_give_the_same_bits_four_rows_at_a_time_and_in_a_bat
     finally:
         _cpu.rows4(1)
         _cpu.use_avx512(1)
+        _cpu.use_vnni(1)
 
 
 @pytest.mark.parametrize("dtype", TYPES)

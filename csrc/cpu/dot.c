@@ -393,22 +393,59 @@ INLINE_AVX2 __m256i load_codes(const int TYPE, const uint8_t *row, long g, float
         }                                                                                                \
         for (int t = 0; t < NB; t++) ys[t][r] = hsum(a[t]);                                              \
     }
+/* Four int8 rows against one token: ROW_Q8ACT's operations for each row, in its order (the same
+ * bits), side by side, so four FMA chains run where one row has one; with the next four rows'
+ * lines asked for ahead, as rows4_tmpl does. */
+#define ROWS4_Q8ACT(NAME, ATTR, PRODUCT)                                                                  \
+    ATTR void NAME(const int TYPE, const uint8_t *W, size_t rb, long K, const int8_t *q, const float *d,  \
+                   float *y, long r) {                                                                    \
+        const long G = K / 32, gb = TYPE == T_Q8_0 ? 34 : 18; /* bytes of a group */                      \
+        const __m256i ones = _mm256_set1_epi16(1);                                                        \
+        (void)ones;                                                                                       \
+        const uint8_t *row[4] = {W + (size_t)r * rb, W + (size_t)(r + 1) * rb, W + (size_t)(r + 2) * rb,  \
+                                 W + (size_t)(r + 3) * rb};                                               \
+        __m256 a[4];                                                                                      \
+        for (int i = 0; i < 4; i++) a[i] = _mm256_setzero_ps();                                           \
+        for (long g = 0; g < G; g++) {                                                                    \
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + 32 * g));                          \
+            for (int i = 0; i < 4; i++) {                                                                 \
+                float dw;                                                                                 \
+                _mm_prefetch((const char *)row[i] + 4 * rb + gb * g, _MM_HINT_T0);                        \
+                const __m256i w = load_codes(TYPE, row[i], g, &dw), aw = _mm256_sign_epi8(w, w);          \
+                const __m256i p = PRODUCT(aw, _mm256_sign_epi8(x, w));                                    \
+                a[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[g]), _mm256_cvtepi32_ps(p), a[i]);           \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int i = 0; i < 4; i++) y[r + i] = hsum(a[i]);                                                \
+    }
+/* The rows of one int8 type: one token four rows at a time, the rest (and batches) row by row. */
+#define ROWS_Q8ACT(NAME, ATTR, ROW, ROW4, TYPE)                                                           \
+    ROWS_OF_AS(ATTR, NAME##_rows, ROW, TYPE, const int8_t *const *)                                       \
+    ATTR static void NAME(const uint8_t *W, size_t rb, long K, long r0, long r1, const int8_t *const *qs, \
+                          const float *const *ds, float *const *ys, int nb) {                             \
+        if (nb == 1 && rows4_on)                                                                          \
+            for (; r0 + 4 <= r1; r0 += 4) ROW4(TYPE, W, rb, K, qs[0], ds[0], ys[0], r0);                  \
+        NAME##_rows(W, rb, K, r0, r1, qs, ds, ys, nb);                                                    \
+    }
 typedef void (*q8act_rows)(const uint8_t *, size_t, long, long, long, const int8_t *const *, const float *const *,
                            float *const *, int);
 #define PRODUCT_AVX2(aw, sx) _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones)
 ROW_Q8ACT(row_q8act, INLINE_AVX2, PRODUCT_AVX2)
-ROWS_OF(rows_q8act_q8_0, row_q8act, T_Q8_0, const int8_t *const *)
-ROWS_OF(rows_q8act_q4_0, row_q8act, T_Q4_0, const int8_t *const *)
+ROWS4_Q8ACT(rows4_q8act, INLINE_AVX2, PRODUCT_AVX2)
+ROWS_Q8ACT(rows_q8act_q8_0, AVX2, row_q8act, rows4_q8act, T_Q8_0)
+ROWS_Q8ACT(rows_q8act_q4_0, AVX2, row_q8act, rows4_q8act, T_Q4_0)
 
 #ifdef HAVE_VNNI_PATH
 #define PRODUCT_VNNI(aw, sx) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, sx)
 ROW_Q8ACT(row_q8act_vnni, INLINE_VNNI, PRODUCT_VNNI)
-ROWS_OF_AS(VNNI, rows_q8act_vnni_q8_0, row_q8act_vnni, T_Q8_0, const int8_t *const *)
-ROWS_OF_AS(VNNI, rows_q8act_vnni_q4_0, row_q8act_vnni, T_Q4_0, const int8_t *const *)
+ROWS4_Q8ACT(rows4_q8act_vnni, INLINE_VNNI, PRODUCT_VNNI)
+ROWS_Q8ACT(rows_q8act_vnni_q8_0, VNNI, row_q8act_vnni, rows4_q8act_vnni, T_Q8_0)
+ROWS_Q8ACT(rows_q8act_vnni_q4_0, VNNI, row_q8act_vnni, rows4_q8act_vnni, T_Q4_0)
 #define PRODUCT_VNNI512(aw, sx) _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)
 ROW_Q8ACT(row_q8act_vnni512, INLINE_VNNI512, PRODUCT_VNNI512)
-ROWS_OF_AS(VNNI512, rows_q8act_vnni512_q8_0, row_q8act_vnni512, T_Q8_0, const int8_t *const *)
-ROWS_OF_AS(VNNI512, rows_q8act_vnni512_q4_0, row_q8act_vnni512, T_Q4_0, const int8_t *const *)
+ROWS4_Q8ACT(rows4_q8act_vnni512, INLINE_VNNI512, PRODUCT_VNNI512)
+ROWS_Q8ACT(rows_q8act_vnni512_q8_0, VNNI512, row_q8act_vnni512, rows4_q8act_vnni512, T_Q8_0)
+ROWS_Q8ACT(rows_q8act_vnni512_q4_0, VNNI512, row_q8act_vnni512, rows4_q8act_vnni512, T_Q4_0)
 #endif
 
 /* Σ x over each group of 32, per token (the bias term of Q4_0 / Q4_K). */
