@@ -6,7 +6,7 @@ moves. Int8 rows (Q8_0, Q4_0 against int8 activations) take their VNNI products 
 two paths: for them those columns are the same code.
 
     python benchmarks/plain_rows.py [--reps 6] [--model DIR] [--budget 0.25] [--workloads humaneval]
-                                    [--n-prompts 3] [--types F16] [--no-runs]
+                                    [--n-prompts 3] [--types F16] [--no-runs] [--decode FILE ...]
                                     [--out docs/results/plain-rows/widened] [bench args]
 
 Two measurements, the paths taking turns in each repetition:
@@ -16,7 +16,9 @@ Two measurements, the paths taking turns in each repetition:
   (median of 3 sweeps);
 - runs: `s2moe bench --methods ar,s2moe` (greedy, 64 tokens) per workload and path, with AR's and
   S²-MoE's tok/s, their ratio, and the draft's and verification's compute per token.
-Results: a markdown table on stdout, JSON/CSV under ``--out``.
+With ``--decode`` (a GGUF or folder, e.g. benchmarks/peer.py's ``olmoe-h1024-f16.gguf``; repeatable) it
+also decodes 64 tokens greedily with every expert resident (AR, as the peer benchmark runs s2moe),
+once per path and round. Results: a markdown table on stdout, JSON/CSV under ``--out``.
 """
 
 from __future__ import annotations
@@ -80,6 +82,26 @@ def products(reps: int, types: list[str]) -> dict[str, dict[str, list[float]]]:
     return times
 
 
+def decodes(reps: int, paths: list[str], tokens: int = 64) -> dict[str, dict[str, list[float]]]:
+    """tok/s of a greedy AR decode with every expert resident, per file and path."""
+    from s2moe.runtime.decoding.generate import generate_ar
+    from s2moe.runtime.engine import build_engine
+
+    ids = [int(t) for t in np.random.default_rng(0).integers(10, 1000, 16)]
+    models = {os.path.basename(p): build_engine(p, preload=True).model for p in paths}
+    out: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PATHS} for name in models}
+    for rep in range(reps):
+        for name, model in models.items():
+            generate_ar(model, ids, 8)  # warm
+            for path in PATHS[rep % 3:] + PATHS[:rep % 3]:
+                use(path)
+                t0 = time.perf_counter()
+                n = len(generate_ar(model, ids, tokens).tokens)
+                out[name][path].append(n / (time.perf_counter() - t0))
+    use(PATHS[2])
+    return out
+
+
 def runs(reps: int, model: str | None, budget: str, workloads: list[str], extra: list[str]) -> list[dict]:
     rows = []
     for rep in range(reps):
@@ -104,7 +126,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="humaneval")
     ap.add_argument("--n-prompts", type=int, default=3)
     ap.add_argument("--types", default="F16", help="stored types of the products (F16, BF16, Q8_0, Q4_0, ...)")
-    ap.add_argument("--no-runs", action="store_true", help="the products only")
+    ap.add_argument("--no-runs", action="store_true", help="no `s2moe bench` runs")
+    ap.add_argument("--decode", action="append", default=[], help="also time a greedy AR decode of this model")
     ap.add_argument("--out", default="docs/results/plain-rows/widened")
     args, extra = ap.parse_known_args()
 
@@ -115,6 +138,7 @@ def main() -> None:
     workloads = args.workloads.split(",")
     extra = ["--n-prompts", str(args.n_prompts)] + extra
     prod = products(args.reps, args.types.split(","))
+    dec = decodes(args.reps, args.decode) if args.decode else {}
     run = [] if args.no_runs else runs(args.reps, args.model, args.budget, workloads, extra)
     params = {"model": args.model or "embedded", "budget": args.budget, "n_prompts": args.n_prompts,
               "extra": extra, "kernels": _cpu.path()}
@@ -129,6 +153,10 @@ def main() -> None:
                               ("verify_ms", "ms"), ("ar_compute_ms", "ms")):
                 records.append(Record("plain-rows", f"{wl} {key}: {path}", unit, [r[key] for r in rs],
                                       params={**params, "workload": wl, "path": path}))
+    for name, by in dec.items():
+        for path in PATHS:
+            records.append(Record("plain-rows", f"decode {name}: {path}", "tok/s", by[path],
+                                  params={**params, "decode": name, "path": path, "tokens": 64}))
     write_outputs(records, machine_info(), args.out, "plain rows: AVX2 a row at a time, four rows, AVX-512")
     med = statistics.median
     print("| product | " + " | ".join(PATHS) + " | four rows / one, AVX-512 / one |")
@@ -136,6 +164,10 @@ def main() -> None:
     for label, by in prod.items():
         one, four, wide = (med(by[p]) for p in PATHS)
         print(f"| {label} | {one:.1f} µs | {four:.1f} µs | {wide:.1f} µs | {four / one:.2f}×, {wide / one:.2f}× |")
+    for name, by in dec.items():
+        one, four, wide = (med(by[p]) for p in PATHS)
+        print(f"| AR decode {name} | {one:.1f} tok/s | {four:.1f} tok/s | {wide:.1f} tok/s | "
+              f"{one / four:.2f}×, {one / wide:.2f}× (time) |")
     if not run:
         return
     print()
