@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--rg-variant", default=None, help="reuse-aware gating variant: resident (default), paper or code")
     ap.add_argument("--rg-residency", type=float, default=None, help="the resident variant's bonus ρ (default 0.25)")
     ap.add_argument("--no-rate-guard", action="store_true", help="AE speculates even where it is measured slower than AR")
+    ap.add_argument("--draft-topk", default=None, help="draft experts per token, K or K,LAYER:K,... (default: the "
+                    "profile's, else k/2)")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of the whole sweep")
     ap.add_argument("--out", default="docs/results/speculative")
     args = ap.parse_args()
@@ -67,7 +69,7 @@ def main() -> None:
     prof = load_profile(args.profile) if args.profile else None
     from s2moe.runtime.decoding.methods import SpecSettings
 
-    settings = make_settings(loaded.config, None, None, None, None, args.rg_variant or SpecSettings.rg_variant, prof,
+    settings = make_settings(loaded.config, args.draft_topk, None, None, None, args.rg_variant or SpecSettings.rg_variant, prof,
                              rg_residency=SpecSettings.rg_residency if args.rg_residency is None else args.rg_residency,
                              rate_guard=not args.no_rate_guard)
     methods = args.methods.split(",")
