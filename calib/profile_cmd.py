@@ -33,6 +33,7 @@ from s2moe.runtime.records import git_commit
 from s2moe.runtime.model.routing import TARGET, RoutingPolicy
 
 from . import hot as hot_mod
+from . import draft_k as draft_k_mod
 from . import measure
 from . import plan as plan_mod
 from . import replay as replay_mod
@@ -69,9 +70,10 @@ def _resumable(samples_path: str, fresh: dict) -> dict:
     except (OSError, ValueError):
         raise UsageError(f"{samples_path}: nothing to resume (no readable samples file); run without --resume") from None
     # samples files from before --draft-vocab timed C_draft with the full head
-    same = all(old.get(k, 0 if k == "draft_vocab" else None) == v for k, v in fresh.items())
+    same = all(old.get(k, 0 if k == "draft_vocab" else None) == v for k, v in fresh.items())  # (and no --draft-topk)
     if not same:
-        raise UsageError(f"{samples_path}: samples were taken for another model, device, budget, slow tier or draft head; "
+        raise UsageError(f"{samples_path}: samples were taken for another model, device, budget, slow tier, draft head "
+                         "or --draft-topk; "
                          "run without --resume")
     say(f"resuming from {samples_path}: {', '.join(k for k in old if k not in fresh)} already measured")
     return old
@@ -186,7 +188,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     gathered: dict = {"model": loaded.path, "fingerprint": fingerprint, "device": kind, "budget": budget or "1.0",
                       "context_tokens": ctx,
                       "emulation": [emulate_bandwidth, emulate_latency], "fetch_threads": fetch_threads,
-                      "rounds": rounds, "backend": arrays.name, "draft_vocab": draft_vocab}
+                      "rounds": rounds, "backend": arrays.name, "draft_vocab": draft_vocab, "draft_topk_asked": draft_topk}
     if resume:
         gathered = _resumable(samples_path, gathered)
 
@@ -231,6 +233,22 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
         # T_AR and C_draft at the budget, with the chosen residency
         pinned = [tuple(k) for k in residency["gpu_experts"]]
         prompts = heldout[:6]
+        draft_choice = gathered.get("draft_k_choice")
+        if draft_topk is None and draft_choice is None:  # how many experts the draft takes: measured
+            ks = draft_k_mod.candidates(c.top_k, draft_k)
+            # tokens kept vary a lot between steps: more prompts and steps than the decode timings take
+            k_prompts, k_tokens = heldout[:12], max(2 * decode_tokens, draft_cap + 4)
+            t = progress.add_task(f"draft k ({', '.join(map(str, ks))})", total=len(k_prompts))
+            engine = build_engine(loaded.path, budget, kv_positions, pinned, policy, emulate_bandwidth,
+                                  emulate_latency, loaded=loaded, fetch_threads=fetch_threads, backend=arrays,
+                                  offload_tier=tier, batch=pass_batch, draft_vocab=draft_vocab)
+            got = draft_k_mod.measure(engine.model, k_prompts, k_tokens, ks, draft_cap,
+                                      lambda k: draft_policy(engine.model, k), lambda: progress.advance(t))
+            engine.close()
+            draft_choice = draft_k_mod.choose(got, draft_cap, draft_k)[1]
+            keep("draft_k_choice", draft_choice)
+        if draft_choice is not None:
+            draft_k = draft_choice["chosen"]
         t = progress.add_task("decode steps (T_AR, C_draft)", total=2 * len(prompts))
         tick = lambda: progress.advance(t)  # noqa: E731
         steps = gathered.get("decode_steps") or {}
@@ -325,7 +343,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                                **fit_details(cost_model, "decode passes" if in_situ else "controlled passes")}},
         "hot_experts": residency,
         "speculative": {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k,
-                        "utility_threshold": 1.0, "draft_vocab": draft_vocab},
+                        "utility_threshold": 1.0, "draft_vocab": draft_vocab,
+                        **({"draft_topk_choice": draft_choice} if draft_choice is not None else {})},
         "validation": None,
         "provenance": {"tool_version": __version__, "commit": git_commit(),
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -368,6 +387,11 @@ def summary_table(profile: dict) -> Table:
         ("residency strategy", f"{h.get('strategy')} ({len(h.get('gpu_experts', []))} pinned)"),
         ("held-out hit rates", ", ".join(f"{k} {v:.1%}" for k, v in (h.get("heldout_hit_rates") or {}).items())),
     ]
+    choice = s.get("draft_topk_choice")
+    if choice:  # what each candidate k modeled (tokens per T_AR), the chosen one marked
+        rows.append(("draft k, measured", "  ".join(
+            f"{k}{'*' if int(k) == choice['chosen'] else ''}: {v['modeled_tokens_per_t_ar']:.2f}"
+            for k, v in choice["candidates"].items()) + " tokens per T_AR"))
     for name, m in (h.get("pin_margins") or {}).items():  # pinned only when it wins by more than 2 SE
         rows.append((f"{name} vs {m['over']}", f"{m['mean']:+.1%} ± {m['standard_error']:.1%} (pinned if > 2 SE)"))
     for row in rows:
@@ -404,7 +428,7 @@ def profile(
     ctx_size: int = typer.Option(plan_mod.DEFAULT_CONTEXT, "--ctx-size", help="Context the runs will use (prompt + generated tokens): KV, workspace and the hot list are planned for it as s2moe run plans; longer runs leave less room for experts."),
     workload: Optional[str] = typer.Option(None, "--workload", "-w", help="JSONL prompts (default: the packaged set)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Profile path (default profiles/<detected device>-<model>.json)."),
-    draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token to time C_draft with."),
+    draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token (default: measured: every k from 1 to twice the paper's k/2 drafts beside a greedy decode, and the k of most modeled tokens per second is kept; calib/draft_k.py)."),
     draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="Time C_draft with a FR-Spec draft head of the N most frequent tokens, as s2moe run --draft-vocab N drafts (0: the full head); runs with this profile draft with it unless --draft-vocab says otherwise."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model)."),
     samples: int = typer.Option(150, "--samples", help="Timed verification passes for the cost fit (at least 10)."),

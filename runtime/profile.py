@@ -105,6 +105,8 @@ SCHEMA: dict = {
                 "draft_topk": {"type": "integer", "minimum": 1}, "draft_cap": {"type": "integer", "minimum": 1},
                 "reuse_cap": {"type": "integer", "minimum": 0}, "utility_threshold": _nonneg,
                 "draft_vocab": {"type": "integer", "minimum": 0},
+                # how `profile` chose draft_topk (calib/draft_k.py): every candidate's figures
+                "draft_topk_choice": {"type": "object", "required": ["chosen", "default", "candidates"]},
             },
         },
         "validation": {"type": ["object", "null"]},

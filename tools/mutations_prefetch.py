@@ -427,6 +427,16 @@ PREFETCH: list[Mutation] = [
     Mutation("rows4-int8-past-the-end", "csrc/cpu/dot.c",
              "            for (; r0 + 4 <= r1; r0 += 4) ROW4(TYPE,", "            for (; r0 < r1; r0 += 4) ROW4(TYPE,",
              ["tests/test_kernels.py", "-k", "four_rows"], "the last int8 rows short of four are taken as four"),
+    # the draft's k chosen by measurement (calib/draft_k.py, calib/profile_cmd.py)
+    Mutation("draft-k-truth-shifted", "calib/draft_k.py", "            truth[first + j] = emitted[j:]",
+             "            truth[first + j] = emitted[j + 1:]", ["tests/test_draft_k.py", "-k", "keeps_every"],
+             "each chain is held against the target's tokens one step late"),
+    Mutation("draft-k-passes-free", "calib/draft_k.py", "        rate = tokens * t_ar / (g * c_draft + t_ar)",
+             "        rate = tokens * t_ar / t_ar", ["tests/test_draft_k.py", "-k", "prices or trades"],
+             "the model counts kept tokens and never what the draft's passes cost"),
+    Mutation("profile-ignores-its-draft-k", "calib/profile_cmd.py", '            draft_k = draft_choice["chosen"]',
+             "            pass", ["tests/test_draft_k.py", "-k", "profile_chooses"],
+             "the profile measures k and then times and records the default"),
     # plain rows on AVX-512 (csrc/cpu/dot512.c)
     Mutation("avx512-batch-chains-swapped", "csrc/cpu/dot512.c",
              "            a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[t] + 32 * g), a[t][0]);\n            a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[t] + 32 * g + 16), a[t][1]);",
