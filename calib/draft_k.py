@@ -72,6 +72,8 @@ def measure(model, prompts: list[list[int]], tokens: int, ks: list[int], cap: in
     step = 0
     block: list[int] = []  # per step: its prompt
     for b, ids in enumerate(prompts):
+        if len(ids) < 2:  # a root and something before it
+            continue
         kv = model.new_cache(len(ids) + tokens + cap + 2)
         model.forward(ids[:-1], kv, logits="last")
         kv.commit(len(ids) - 1)

@@ -70,7 +70,7 @@ def _resumable(samples_path: str, fresh: dict) -> dict:
     except (OSError, ValueError):
         raise UsageError(f"{samples_path}: nothing to resume (no readable samples file); run without --resume") from None
     # samples files from before --draft-vocab timed C_draft with the full head
-    same = all(old.get(k, 0 if k == "draft_vocab" else None) == v for k, v in fresh.items())  # (and no --draft-topk)
+    same = all(old.get(k, 0 if k == "draft_vocab" else None) == v for k, v in fresh.items())
     if not same:
         raise UsageError(f"{samples_path}: samples were taken for another model, device, budget, slow tier, draft head "
                          "or --draft-topk; "

@@ -273,7 +273,8 @@ INLINE_AVX2 void rows4_tmpl(const int TYPE, const uint8_t *W, size_t rb, long K,
         for (int i = 0; i < 4; i++) {
             __m256 w[4];
             /* the next four rows' line: four rows read side by side are not one stream to the
-             * hardware prefetcher, and rows from L3 or memory then waited on every line */
+             * hardware prefetcher, and rows from L3 or memory then waited on every line (past the
+             * matrix's end it is only a hint: a prefetch never faults) */
             _mm_prefetch((const char *)row[i] + 4 * rb + (TYPE == T_F32 ? 128 : 64) * g, _MM_HINT_T0);
             load_plain(TYPE, row[i], g, w);
             a[i][0] = _mm256_fmadd_ps(w[0], x0, a[i][0]);
