@@ -46,10 +46,9 @@ def main() -> None:
     model = engine.model
     tok = load_tokenizer(engine.loaded)
     ks = list(range(1, model.config.top_k + 1))
-    policies = {k: draft_policy(model, k) for k in ks}  # as runs draft: among the resident experts
     prompts = [tok.encode(p).ids[-256:] for w in ("humaneval", "gsm8k", "mt-bench")
                for p in load_workload(resolve_workload(w))[:args.n_prompts]]
-    got = measure(model, prompts, args.tokens, ks, args.cap, lambda k: policies[k],
+    got = measure(model, prompts, args.tokens, ks, args.cap, lambda k: draft_policy(model, k),  # as runs draft
                   lambda: print("prompt done", file=sys.stderr, flush=True))
     chosen, table = choose(got, args.cap, default_draft_topk(model.config.top_k))
     t_ar = statistics.median(got["t_ar"])

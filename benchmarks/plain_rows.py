@@ -1,7 +1,7 @@
 """Row products on three paths, taking turns in one process: AVX2 a row at a time (the kernels
 before e7c7b0a), AVX2 with one token taking four rows at a time, and AVX-512 for plain rows (four
 rows too). `_cpu.rows4` and `_cpu.use_avx512` switch them; all give a token the same bits alone or
-in a batch (tests/test_kernels.py), so a run decodes the same tokens on each path and only time
+in a batch (tests/test_simd_paths.py), so a run decodes the same tokens on each path and only time
 moves. Int8 rows (Q8_0, Q4_0 against int8 activations) take their VNNI products on both of the last
 two paths: for them those columns are the same code.
 

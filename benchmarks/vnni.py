@@ -1,5 +1,5 @@
 """Q8_0 / Q4_0 rows against int8 activations: VNNI products against AVX2's, taking turns in one
-process (`_cpu.use_vnni` switches them; both give the same bits, tests/test_kernels.py).
+process (`_cpu.use_vnni` switches them; both give the same bits, tests/test_simd_paths.py).
 
     python benchmarks/vnni.py [--reps 6] [--form 1|2] [--model FILE.gguf] [--out docs/results/vnni]
 

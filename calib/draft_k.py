@@ -47,13 +47,18 @@ def matched(chain: list[int], truth: list[int]) -> int:
     return n
 
 
+def _per_step(kept: list[int], g: int, c_draft: float, t_ar: float) -> list[float]:
+    """Each step's modeled tokens per T_AR with chains of g (g = 0: AR, 1 token per T_AR)."""
+    scale = t_ar / (g * c_draft + t_ar)
+    return [(1.0 + min(m, g)) * scale for m in kept]
+
+
 def modeled(kept: list[int], c_draft: float, t_ar: float, cap: int) -> tuple[int, float]:
     """(best chain length, tokens per T_AR) for the matched lengths ``kept`` and these costs;
     chain length 0 is AR (1 token per T_AR)."""
     best = (0, 1.0)
     for g in range(1, cap + 1):
-        tokens = 1.0 + sum(min(m, g) for m in kept) / len(kept) if kept else 1.0
-        rate = tokens * t_ar / (g * c_draft + t_ar)
+        rate = statistics.mean(_per_step(kept, g, c_draft, t_ar)) if kept else t_ar / (g * c_draft + t_ar)
         if rate > best[1]:
             best = (g, rate)
     return best
@@ -69,6 +74,7 @@ def measure(model, prompts: list[list[int]], tokens: int, ks: list[int], cap: in
     truth: list[list[int]] = []
     c_draft: dict[int, list[float]] = {k: [] for k in ks}
     t_ar: list[float] = []
+    policies = {k: policy_for(k) for k in ks}
     step = 0
     block: list[int] = []  # per step: its prompt
     for b, ids in enumerate(prompts):
@@ -85,7 +91,7 @@ def measure(model, prompts: list[list[int]], tokens: int, ks: list[int], cap: in
                     chain, x = [], root
                     for _ in range(cap):
                         t0 = time.perf_counter()
-                        out, _ = model.forward([x], kv, policy=policy_for(k), logits="last")
+                        out, _ = model.forward([x], kv, policy=policies[k], logits="last")
                         c_draft[k].append(time.perf_counter() - t0)
                         x = int(np.argmax(out[-1]))
                         chain.append(x)
@@ -110,12 +116,6 @@ def measure(model, prompts: list[list[int]], tokens: int, ks: list[int], cap: in
             "blocks": [block[i] for i in counted]}
 
 
-def _per_step(kept: list[int], g: int, c_draft: float, t_ar: float) -> list[float]:
-    """Each step's modeled tokens per T_AR with chains of g (their mean is `modeled`'s rate)."""
-    scale = t_ar / (g * c_draft + t_ar)
-    return [(1.0 + min(m, g)) * scale for m in kept]
-
-
 def margin(a: list[float], b: list[float], blocks: list[int]) -> tuple[float, float]:
     """(mean of a − b, its standard error over blocks: the paired differences' block means)."""
     by: dict[int, list[float]] = {}
@@ -138,7 +138,7 @@ def choose(measured: dict, cap: int, default: int) -> tuple[int, dict]:
         cd = statistics.median(measured["c_draft"][k])
         kept = measured["kept"][k]
         g, rate = modeled(kept, cd, t_ar, cap)
-        steps[k] = _per_step(kept, g, cd, t_ar) if g else [1.0] * len(kept)
+        steps[k] = _per_step(kept, g, cd, t_ar)
         table[k] = {"c_draft_ms": round(cd * 1e3, 4), "mean_kept": round(statistics.mean(kept), 3) if kept else 0.0,
                     "first_token_agreement": round(measured["first_token_agreement"][k], 4),
                     "best_chain": g, "modeled_tokens_per_t_ar": round(rate, 4)}

@@ -189,6 +189,17 @@ INLINE_AVX2 void load_quant(const int TYPE, const uint8_t *row, long g, const fl
 }
 
 #define IS_PLAIN(TYPE) ((TYPE) == T_F32 || (TYPE) == T_F16 || (TYPE) == T_BF16)
+
+/* s plus a plain row's elements k..K-1 against x, one at a time (a row's rest past its eights). */
+INLINE_AVX2 float plain_rest(const int TYPE, const uint8_t *row, long k, long K, const float *x, float s) {
+    for (; k < K; k++) {
+        float wk = TYPE == T_F32   ? ((const float *)row)[k]
+                   : TYPE == T_F16 ? f16_to_f32(rd16(row + 2 * k))
+                                   : bf16_to_f32(rd16(row + 2 * k));
+        s += wk * x[k];
+    }
+    return s;
+}
 #define HAS_BIAS(TYPE) ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_K)
 
 /* One row against NB (1..4) tokens. Plain types: two partial sums per token keep two FMA chains
@@ -243,16 +254,8 @@ INLINE_AVX2 void row_tmpl(const int TYPE, const int NB, const uint8_t *row, long
             __m256 w8 = load_plain8(TYPE, row, k8);
             for (int t = 0; t < NB; t++) a[t][0] = _mm256_fmadd_ps(w8, _mm256_loadu_ps(xs[t] + k8), a[t][0]);
         }
-    for (int t = 0; t < NB; t++) {
-        float s = hsum(_mm256_add_ps(a[t][0], a[t][1])) + bsum[t];
-        for (long k = k8; k < K; k++) { /* plain types only: quantised rows are whole groups */
-            float wk = TYPE == T_F32   ? ((const float *)row)[k]
-                       : TYPE == T_F16 ? f16_to_f32(rd16(row + 2 * k))
-                                       : bf16_to_f32(rd16(row + 2 * k));
-            s += wk * xs[t][k];
-        }
-        ys[t][r] = s;
-    }
+    for (int t = 0; t < NB; t++) /* (quantised rows are whole groups: no rest) */
+        ys[t][r] = plain_rest(TYPE, row, k8, K, xs[t], hsum(_mm256_add_ps(a[t][0], a[t][1])) + bsum[t]);
 }
 
 /* Four plain rows against one token. Each row's operations are row_tmpl's for NB = 1, in the same
@@ -286,14 +289,8 @@ INLINE_AVX2 void rows4_tmpl(const int TYPE, const uint8_t *W, size_t rb, long K,
     for (int i = 0; i < 4; i++) {
         long k8 = 32 * G;
         for (; k8 + 8 <= K; k8 += 8) a[i][0] = _mm256_fmadd_ps(load_plain8(TYPE, row[i], k8), _mm256_loadu_ps(x + k8), a[i][0]);
-        float s = hsum(_mm256_add_ps(a[i][0], a[i][1])) + 0.0f; /* (row_tmpl adds its bias sum, 0 here) */
-        for (; k8 < K; k8++) {
-            float wk = TYPE == T_F32   ? ((const float *)row[i])[k8]
-                       : TYPE == T_F16 ? f16_to_f32(rd16(row[i] + 2 * k8))
-                                       : bf16_to_f32(rd16(row[i] + 2 * k8));
-            s += wk * x[k8];
-        }
-        y[r + i] = s;
+        /* (+ 0.0f: row_tmpl adds its bias sum, 0 for plain rows; the same bits for a sum of −0) */
+        y[r + i] = plain_rest(TYPE, row[i], k8, K, x, hsum(_mm256_add_ps(a[i][0], a[i][1])) + 0.0f);
     }
 }
 
