@@ -428,7 +428,7 @@ def profile(
     ctx_size: int = typer.Option(plan_mod.DEFAULT_CONTEXT, "--ctx-size", help="Context the runs will use (prompt + generated tokens): KV, workspace and the hot list are planned for it as s2moe run plans; longer runs leave less room for experts."),
     workload: Optional[str] = typer.Option(None, "--workload", "-w", help="JSONL prompts (default: the packaged set)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Profile path (default profiles/<detected device>-<model>.json)."),
-    draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token (default: measured: every k from 1 to twice the paper's k/2 drafts beside a greedy decode, and the k of most modeled tokens per second is kept; calib/draft_k.py)."),
+    draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token (default: measured: every k from 1 to twice the paper's k/2 drafts beside a greedy decode; k/2 stays unless another k models faster by more than 2 standard errors; calib/draft_k.py)."),
     draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="Time C_draft with a FR-Spec draft head of the N most frequent tokens, as s2moe run --draft-vocab N drafts (0: the full head); runs with this profile draft with it unless --draft-vocab says otherwise."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model)."),
     samples: int = typer.Option(150, "--samples", help="Timed verification passes for the cost fit (at least 10)."),
