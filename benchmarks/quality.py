@@ -12,6 +12,8 @@ Per position: KL(p_target ‖ p_gated), RMS of p_target − p_gated over the voc
 top-1 tokens agree, and the log-likelihood of the true next token under each (PPL ratio =
 exp(mean NLL gated − mean NLL target)). Only the target's KV is committed.
 
+Variants marked λ×s gate with s times the paper's bias (`--rg-strength s`): the price of reading less.
+
 Intervals (95 %) come from resampling whole windows. Every variant after ``paper`` is also paired
 with it, window by window: the quotient of the two PPL ratios and the difference of the top-1
 agreements, with their intervals (``vs_paper``), which says whether a variant costs more than the
@@ -35,7 +37,11 @@ from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E
 
 VARIANTS = [("paper", {}), ("code", {}), ("resident ρ=0.25", {"residency": 0.25}),
             ("resident ρ=0.5", {"residency": 0.5}), ("resident ρ=1", {"residency": 1.0}),
-            ("resident ρ=2", {"residency": 2.0})]
+            ("resident ρ=2", {"residency": 2.0}), ("resident ρ=1 λ×1.1", {"residency": 1.0, "strength": 1.1}),
+            ("resident ρ=1 λ×1.25", {"residency": 1.0, "strength": 1.25}),
+            ("resident ρ=1 λ×1.5", {"residency": 1.0, "strength": 1.5}), ("resident ρ=1 λ×2", {"residency": 1.0, "strength": 2.0}),
+            ("resident ρ=0.25 λ×1.25", {"residency": 0.25, "strength": 1.25}),
+            ("resident ρ=0.25 λ×2", {"residency": 0.25, "strength": 2.0})]
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -70,7 +76,8 @@ def measure(model_dir: str, budget: str, variant: str, options: dict, windows: l
             conf = np.concatenate([[1.0], [q[j - 1, toks[j]] for j in range(1, len(toks))]])
             kv.rollback(P)
             avail = (lambda L: cache.available_mask(L, c.num_experts)) if variant.startswith("resident") else None
-            rg = ReuseGating(c.top_k, 2 * c.top_k, variant.split()[0], 1.0, conf, options.get("residency", 0.5), avail)
+            rg = ReuseGating(c.top_k, 2 * c.top_k, variant.split()[0], options.get("strength", 1.0), conf,
+                             options.get("residency", 0.5), avail)
             g_logits, _ = model.forward(toks, kv, start=P, policy=RoutingPolicy(selection_bias=rg.bias), record=False)
             kv.rollback(P)
             t_logits, _ = model.forward(toks, kv, start=P, policy=TARGET, record=False)

@@ -153,7 +153,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                     "max_tokens": max_tokens, "draft_topk": settings.draft_topk, "draft_cap": settings.draft_cap,
                     "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                     "min_p": params.min_p, "draws": params.draws, "acceptance": settings.acceptance,
-                    "draft_vocab": settings.draft_vocab},
+                    "draft_vocab": settings.draft_vocab, "gating": settings.gating(spec, loaded.config.top_k)},
             extra={"acceptance_length": statistics.mean(a for a in acc if a is not None),
                    "reuse_ratio": statistics.mean(reuse) if reuse else None,
                    "bytes_fetched_per_token": fetched / max(tokens, 1),

@@ -159,6 +159,32 @@ def test_ae_lookahead_reaches_the_settings(command):
     assert "--ae-lookahead 0: must be >= 1" in r.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_rg_strength_reaches_the_decoder_and_its_record(command, tmp_path):
+    """--rg-strength (the gating bias in multiples of a token's gap) is what the decoder gates with
+    and what the record says; below 0 is refused in one line naming it; a method without gating
+    records none. The strength's effect on the bias is `test_reuse_gating.py`'s."""
+    def gating(*flags):
+        if command == "run":
+            r = s2moe("run", "--prompt", "def f(x):", "-n", "4", "--json", *flags)
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout)["stats"]["gating"]
+        out = tmp_path / "g.json"
+        r = s2moe("bench", "--methods", "s2moe", "--n-prompts", "1", "--max-tokens", "4", "--json", str(out), *flags)
+        assert r.returncode == 0, r.stderr
+        return json.loads(out.read_text())["records"][0]["params"]["gating"]
+
+    assert gating() == {"variant": "resident", "residency": 0.25, "strength": 1.0, "cap": 8}
+    got = gating("--rg-strength", "1.5", "--rg-residency", "1")
+    assert (got["strength"], got["residency"]) == (1.5, 1.0)
+    if command == "run":
+        assert gating("--no-rg") is None
+    r = s2moe(command, *(["--prompt", "x"] if command == "run" else ["--methods", "s2moe", "--n-prompts", "1"]),
+              "--rg-strength", "-0.5")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--rg-strength -0.5: must be >= 0" in r.stderr.strip().splitlines()[-1]
+
+
 def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
     _, folder, _ = tiny_model_dirs["olmoe"]
     out = tmp_path / "bench.json"

@@ -229,3 +229,18 @@ def test_the_tiers_preferred_set_is_the_same_from_the_shared_sort():
             rows = rng.standard_normal((1, 8)) * rng.uniform(0.1, 5)
             ordered = -np.sort(-rows, axis=1)
             assert np.array_equal(dec._tier_in_preferred_set([0], rows, ordered), dec._tier_in_preferred_set([0], rows))
+
+
+def test_the_decoders_verification_gates_at_the_settings_strength():
+    """The bias verification selects with is the settings' --rg-strength times the paper's: 0 is no
+    gating (the target's own top-k), 2 doubles every raise. (The CLI test checks the flag reaches
+    the settings; this checks the decoder uses them.)"""
+    logits = _logits()
+    bias = {}
+    for strength in (0.0, 1.0, 2.0):
+        dec = SpeculativeDecoder(_TierModel, get_method("s2moe"), SpecSettings(rg_strength=strength),
+                                 CostConstants(1, 1, 1, 1))
+        bias[strength] = dec._verify_policy([1.0, 0.9, 0.8]).selection_bias(0, logits)
+    assert bias[0.0] is None
+    assert bias[1.0] is not None and np.count_nonzero(bias[1.0]) >= 3
+    np.testing.assert_array_equal(bias[2.0], 2 * bias[1.0])

@@ -437,6 +437,17 @@ PREFETCH: list[Mutation] = [
     Mutation("profile-ignores-its-draft-k", "calib/profile_cmd.py", '            draft_k = draft_choice["chosen"]',
              "            pass", ["tests/test_draft_k.py", "-k", "profile_chooses"],
              "the profile measures k and then times and records the default"),
+    # --rg-strength (the gating bias, priced in docs/performance/s2moe-gating.md)
+    Mutation("verification-ignores-rg-strength", "runtime/decoding/speculative.py",
+             "        rg = ReuseGating(self.top_k, s.reuse_cap_for(self.top_k), s.rg_variant, s.rg_strength,",
+             "        rg = ReuseGating(self.top_k, s.reuse_cap_for(self.top_k), s.rg_variant, 1.0,",
+             ["tests/test_residency_gating.py", "-k", "settings_strength"], "verification gates at the paper's bias whatever --rg-strength says"),
+    Mutation("bench-drops-rg-strength", "runtime/cli/bench.py",
+             "chosen.profile, rg_residency=rg_residency, rg_strength=rg_strength,", "chosen.profile, rg_residency=rg_residency,",
+             ["tests/test_cli.py", "-k", "rg_strength"], "`s2moe bench --rg-strength` is accepted and not used"),
+    Mutation("record-misstates-rg-strength", "runtime/decoding/methods.py",
+             '"strength": self.rg_strength,', '"strength": 1.0,',
+             ["tests/test_cli.py", "-k", "rg_strength"], "a record says the paper's bias when another one gated it"),
     # plain rows on AVX-512 (csrc/cpu/dot512.c)
     Mutation("avx512-batch-chains-swapped", "csrc/cpu/dot512.c",
              "            a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[t] + 32 * g), a[t][0]);\n            a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[t] + 32 * g + 16), a[t][1]);",

@@ -29,6 +29,7 @@ def bench(
     profile: Optional[str] = typer.Option(None, "--profile", help="Device profile (cost constants, settings, budget, hot list)."),
     rg_variant: str = typer.Option(SpecSettings.rg_variant, "--rg-variant", help="Reuse-aware gating: resident (the paper's, E* also favouring experts the fast tier holds), paper or code (published code)."),
     rg_residency: float = typer.Option(SpecSettings.rg_residency, "--rg-residency", help="Reuse gating 'resident' variant: bonus of experts the fast tier holds or is reading (0 = the paper's preferred set)."),
+    rg_strength: float = typer.Option(SpecSettings.rg_strength, "--rg-strength", help="Reuse gating's bias: a multiple of each token's top-1 − (k+1)-th logit gap (1 = the paper's; 0 = no gating). Above 1 verification reads less and the output drifts from the target's: docs/performance/s2moe-gating.md prices it."),
     draft_fallback: str = typer.Option(SpecSettings.draft_fallback, "--draft-fallback", help="A draft token whose experts are all absent: best (the best resident expert) or skip (no experts in that layer)."),
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
@@ -88,7 +89,7 @@ def bench(
         tok = load_tokenizer(loaded)
         chosen = apply_profile(profile, loaded, budget, None)
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
-                                 chosen.profile, rg_residency=rg_residency, draft_fallback=draft_fallback,
+                                 chosen.profile, rg_residency=rg_residency, rg_strength=rg_strength, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch, prefetch_slots=prefetch_slots,
                                  prefetch_always=always_prefetch,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,

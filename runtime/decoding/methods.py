@@ -71,6 +71,9 @@ class SpecSettings:
     # (published code: router peakedness, batch-mean λ)
     rg_variant: str = "resident"
     rg_residency: float = 0.25
+    # the bias, in multiples of each token's top-1 − (k+1)-th gap: above 1 an E* expert ranked past
+    # k + 1 can displace one of the token's own top-k, and quality falls off a cliff (PPL ratio 1.07
+    # at 1.1×, 1.16 at 2×, against 1.014 at 1×; docs/performance/s2moe-gating.md, "The price of a stronger bias")
     rg_strength: float = 1.0
     confidence_threshold: float = 0.5
     cascade_test_iters: int = 2
@@ -116,7 +119,7 @@ class SpecSettings:
         number("--utility-threshold", self.utility_threshold, low=0)
         number("--ae-lookahead", self.ae_lookahead, low=1, high=256, integer=True)
         number("--rg-residency", self.rg_residency, low=0)
-        number("reuse gating strength", self.rg_strength, low=0)
+        number("--rg-strength", self.rg_strength, low=0)
         number("confidence threshold", self.confidence_threshold, low=0, high=1)
         number("--draft-vocab", self.draft_vocab, low=0, integer=True)
         if self.prefetch_slots is not None:
@@ -136,6 +139,14 @@ class SpecSettings:
 
     def reuse_cap_for(self, top_k: int) -> int:
         return self.reuse_cap if self.reuse_cap is not None else 2 * top_k
+
+    def gating(self, spec: "MethodSpec", top_k: int) -> dict | None:
+        """What a record says of reuse-aware gating (None: the method verifies without it, so its
+        output is the target's)."""
+        if not spec.reuse_gating:
+            return None
+        return {"variant": self.rg_variant, "residency": self.rg_residency, "strength": self.rg_strength,
+                "cap": self.reuse_cap_for(top_k)}
 
 
 def parse_draft_topk(text: str) -> tuple[int, dict]:
