@@ -160,10 +160,10 @@ def test_ae_lookahead_reaches_the_settings(command):
 
 
 @pytest.mark.parametrize("command", ["run", "bench"])
-def test_rg_strength_reaches_the_decoder_and_its_record(command, tmp_path):
-    """--rg-strength (the gating bias in multiples of a token's gap) is what the decoder gates with
-    and what the record says; below 0 is refused in one line naming it; a method without gating
-    records none. The strength's effect on the bias is `test_reuse_gating.py`'s."""
+def test_rg_strength_reaches_the_settings_and_the_record(command, tmp_path):
+    """--rg-strength (the gating bias in multiples of a token's gap) reaches the settings and the
+    record says it; below 0 is refused in one line naming it; a run without gating records none.
+    That the decoder gates at the settings' strength is test_residency_gating.py's."""
     def gating(*flags):
         if command == "run":
             r = s2moe("run", "--prompt", "def f(x):", "-n", "4", "--json", *flags)

@@ -71,9 +71,9 @@ class SpecSettings:
     # (published code: router peakedness, batch-mean λ)
     rg_variant: str = "resident"
     rg_residency: float = 0.25
-    # the bias, in multiples of each token's top-1 − (k+1)-th gap: above 1 an E* expert ranked past
-    # k + 1 can displace one of the token's own top-k, and quality falls off a cliff (PPL ratio 1.07
-    # at 1.1×, 1.16 at 2×, against 1.014 at 1×; docs/performance/s2moe-gating.md, "The price of a stronger bias")
+    # the bias, in multiples of each token's top-1 − (k+1)-th gap (1: the paper's). Past 1 quality
+    # falls off a cliff: at ρ = 1 the PPL ratio is 1.02 at 1×, 1.05 at 1.1×, 1.13-1.16 at 2×
+    # (docs/performance/s2moe-gating.md, "The price of a stronger bias")
     rg_strength: float = 1.0
     confidence_threshold: float = 0.5
     cascade_test_iters: int = 2
