@@ -162,23 +162,29 @@ def test_ae_lookahead_reaches_the_settings(command):
 @pytest.mark.parametrize("command", ["run", "bench"])
 def test_rg_strength_reaches_the_settings_and_the_record(command, tmp_path):
     """--rg-strength (the gating bias in multiples of a token's gap) reaches the settings and the
-    record says it; below 0 is refused in one line naming it; a run without gating records none.
-    That the decoder gates at the settings' strength is test_residency_gating.py's."""
+    record says it; past 1 a note on stderr says it costs quality; below 0 is refused in one line
+    naming it; a run without gating records none (and notes nothing). That the decoder gates at the
+    settings' strength is test_residency_gating.py's."""
+    notes = []
+
     def gating(*flags):
         if command == "run":
             r = s2moe("run", "--prompt", "def f(x):", "-n", "4", "--json", *flags)
             assert r.returncode == 0, r.stderr
+            notes.append("note: --rg-strength" in r.stderr)
             return json.loads(r.stdout)["stats"]["gating"]
         out = tmp_path / "g.json"
         r = s2moe("bench", "--methods", "s2moe", "--n-prompts", "1", "--max-tokens", "4", "--json", str(out), *flags)
         assert r.returncode == 0, r.stderr
+        notes.append("note: --rg-strength" in r.stderr)
         return json.loads(out.read_text())["records"][0]["params"]["gating"]
 
     assert gating() == {"variant": "resident", "residency": 0.25, "strength": 1.0, "cap": 8}
     got = gating("--rg-strength", "1.5", "--rg-residency", "1")
     assert (got["strength"], got["residency"]) == (1.5, 1.0)
+    assert notes == [False, True]
     if command == "run":
-        assert gating("--no-rg") is None
+        assert gating("--no-rg", "--rg-strength", "2") is None and notes[-1] is False
     r = s2moe(command, *(["--prompt", "x"] if command == "run" else ["--methods", "s2moe", "--n-prompts", "1"]),
               "--rg-strength", "-0.5")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -72,7 +72,7 @@ def run(
         from ..decoding.methods import get_method
         from ..decoding.speculative import SpeculativeDecoder
         from ..model.tokenizer import load_tokenizer
-        from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings
+        from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings, strength_note
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         text_in = read_prompt(prompt, prompt_file)
@@ -98,6 +98,8 @@ def run(
                                  ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
             check_draft_vocab(loaded, settings, draft_vocab)
+        if spec.reuse_gating and strength_note(settings):
+            say(strength_note(settings), "yellow")
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(text_in).ids
         if not ids:
