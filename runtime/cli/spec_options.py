@@ -43,8 +43,8 @@ def strength_note(settings) -> str | None:
     if settings.rg_strength <= 1:
         return None
     return (f"note: --rg-strength {settings.rg_strength:g} gates past the paper's bias (1): verification reads "
-            "less and the text drifts from the target's (PPL ratio 1.05 at 1.1, 1.13 at 2 on the default "
-            "model; docs/performance/s2moe-gating.md)")
+            "less and the text drifts from the target's (PPL ratio with --rg-residency 1: 1.05 at 1.1, 1.13 "
+            "at 2; docs/performance/s2moe-gating.md)")
 
 
 def check_draft_vocab(loaded, settings, flag: int | None = None) -> None:
