@@ -95,8 +95,9 @@ def bench(
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         check_draft_vocab(loaded, settings, draft_vocab)
-        if any(get_method(m).reuse_gating for m in names) and strength_note(settings):
-            say(strength_note(settings), "yellow")
+        note = strength_note(settings) if any(get_method(m).reuse_gating for m in names) else None
+        if note:
+            say(note, "yellow")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, sampler=sampler)
         recorder = None
         if trace_path:

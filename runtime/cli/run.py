@@ -98,8 +98,9 @@ def run(
                                  ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
             check_draft_vocab(loaded, settings, draft_vocab)
-        if spec.reuse_gating and strength_note(settings):
-            say(strength_note(settings), "yellow")
+        note = strength_note(settings) if spec.reuse_gating else None
+        if note:
+            say(note, "yellow")
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(text_in).ids
         if not ids:
