@@ -14,7 +14,8 @@ from s2moe.runtime.decoding.cost_model import CostConstants
 from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.decoding.methods import SpecSettings, get_method
 from s2moe.runtime.decoding.rate_guard import RateGuard
-from s2moe.runtime.decoding.speculative import SpeculativeDecoder, _expected_tokens
+from s2moe.runtime.decoding.cost_model import expected_tokens
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 from s2moe.runtime.engine import build_engine
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -157,8 +158,8 @@ def test_a_miscalibrated_expectation_is_corrected_by_what_iterations_keep():
 
 
 def test_expected_tokens_are_the_bonus_plus_each_prefix_probability():
-    assert _expected_tokens([]) == 1.0
-    assert _expected_tokens([0.5, 0.5, 1.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert expected_tokens([]) == 1.0
+    assert expected_tokens([0.5, 0.5, 1.0]) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
 
 
 class _SlowSpeculation(RateGuard):

@@ -13,7 +13,8 @@ from s2moe.runtime.decoding.gating import ReuseGating
 from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.decoding.methods import SpecSettings, get_method
 from s2moe.runtime.model.routing import RoutingPolicy, route, softmax
-from s2moe.runtime.decoding.speculative import SpeculativeDecoder, marginal_verification_cost
+from s2moe.runtime.decoding.cost_model import marginal_verification_cost
+from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 
 LOSSLESS = ["ca", "ca+ae", "s2moe", "es", "confidence", "cascade"]
 # Tiny random models give near-uniform draft probabilities, so a realistic T_AR admits nothing;

@@ -98,7 +98,7 @@ CORE: list[Mutation] = [
     Mutation("utility-threshold-inverted", SPEC, "                if gain >= best:\n",
              "                if gain < best:\n",
              ["tests/test_speculative.py", "-k", "utility_rule"], "AE admits exactly what it should refuse"),
-    Mutation("marginal-cost-ignores-residency", SPEC,
+    Mutation("marginal-cost-ignores-residency", "runtime/decoding/cost_model.py",
              "return sum(costs.expert_cost(state(key)) for key in new_experts)",
              'return sum(costs.expert_cost("missing") for key in new_experts)',
              ["tests/test_speculative.py", "-k", "marginal_cost"], "resident experts cost a fetch"),

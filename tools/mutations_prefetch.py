@@ -333,7 +333,7 @@ PREFETCH: list[Mutation] = [
     Mutation("rate-guard-uncalibrated", "runtime/decoding/rate_guard.py",
              "            tokens = expected * self.kept / self.expected", "            tokens = expected",
              ["tests/test_rate_guard.py", "-k", "miscalibrated"], "the guard trusts AE's expectation as it is, however miscalibrated"),
-    Mutation("expected-tokens-no-prefix", "runtime/decoding/speculative.py",
+    Mutation("expected-tokens-no-prefix", "runtime/decoding/cost_model.py",
              "        prefix *= p\n        total += prefix", "        total += p",
              ["tests/test_rate_guard.py", "-k", "prefix"], "AE's expected tokens sum each token's own probability, not its prefix's"),
     Mutation("guard-not-told-expectation", "runtime/decoding/speculative.py",

@@ -108,3 +108,21 @@ class VerificationCostModel:
     def constants(self, t_ar: float, c_draft: float, source: str) -> CostConstants:
         t_token, t_miss, t_hit = (float(v) for v in self.coef_)
         return CostConstants(t_ar, c_draft, t_miss, t_hit, self.intercept_, t_token, source)
+
+
+def marginal_verification_cost(new_experts: set[tuple[int, int]], state, costs: CostConstants) -> float:
+    """ΔC_ver(i|S): the cost of the experts token i adds to the verification batch (``new_experts``
+    = E_i minus those S already brings). ``state(key)``: "held", "in_flight" (a prefetch is
+    reading it) or "missing". A held expert costs compute only, one in flight also what
+    verification still waits for it, a missing one its whole fetch."""
+    return sum(costs.expert_cost(state(key)) for key in new_experts)
+
+
+def expected_tokens(p_accept: list[float]) -> float:
+    """Tokens a verification of this branch emits by AE's acceptance model: the bonus token plus
+    each drafted token's probability that it and every one before it are kept."""
+    total, prefix = 1.0, 1.0
+    for p in p_accept:
+        prefix *= p
+        total += prefix
+    return total

@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .cost_model import CostConstants
+from .cost_model import CostConstants, expected_tokens, marginal_verification_cost
 from .live_costs import LiveCosts
 from .prefetch_trial import trial_for
 from .rate_guard import RateGuard
@@ -36,24 +36,6 @@ from .sampling import SamplingParams, draws_for, probabilities, sample
 from .metrics import SpecMetrics
 
 Key = tuple[int, int]
-
-
-def marginal_verification_cost(new_experts: set[Key], state, costs: CostConstants) -> float:
-    """ΔC_ver(i|S): the cost of the experts token i adds to the verification batch (``new_experts``
-    = E_i minus those S already brings). ``state(key)``: "held", "in_flight" (a prefetch is
-    reading it) or "missing". A held expert costs compute only, one in flight also what
-    verification still waits for it, a missing one its whole fetch."""
-    return sum(costs.expert_cost(state(key)) for key in new_experts)
-
-
-def _expected_tokens(p_accept: list[float]) -> float:
-    """Tokens a verification of this branch emits by AE's acceptance model: the bonus token plus
-    each drafted token's probability that it and every one before it are kept."""
-    total, prefix = 1.0, 1.0
-    for p in p_accept:
-        prefix *= p
-        total += prefix
-    return total
 
 
 @dataclass
@@ -584,7 +566,7 @@ class SpeculativeDecoder:
                 draft_kv.commit(draft_kv.filled)
             done = emit(accepted + [nxt])
             self._cascade_observe(length, len(accepted) + 1, time.perf_counter() - started)
-            took, expected = time.perf_counter() - started, _expected_tokens(branches[0].p_accept)
+            took, expected = time.perf_counter() - started, expected_tokens(branches[0].p_accept)
             if self.guard is not None:
                 self.guard.observe(True, len(accepted) + 1, took, expected)
             if self.trial is not None:  # each way of prefetching judged on seconds per expected token
