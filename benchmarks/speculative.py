@@ -47,8 +47,6 @@ def main() -> None:
     ap.add_argument("--rg-variant", default=None, help="reuse-aware gating variant: resident (default), paper or code")
     ap.add_argument("--rg-residency", type=float, default=None, help="the resident variant's bonus ρ (default 0.25)")
     ap.add_argument("--rg-strength", type=float, default=None, help="gating's bias, in multiples of a token's gap (default 1)")
-    ap.add_argument("--read-ahead", type=int, default=None, help="verification's guesses per token of the next "
-                    "layer's experts, read a layer early (default 1; 0: off)")
     ap.add_argument("--no-rate-guard", action="store_true", help="AE speculates even where it is measured slower than AR")
     ap.add_argument("--draft-topk", default=None, help="draft experts per token, K or K,LAYER:K,... (default: the "
                     "profile's, else k/2)")
@@ -75,8 +73,7 @@ def main() -> None:
     settings = make_settings(loaded.config, args.draft_topk, None, None, None, args.rg_variant or SpecSettings.rg_variant, prof,
                              rg_residency=SpecSettings.rg_residency if args.rg_residency is None else args.rg_residency,
                              rg_strength=SpecSettings.rg_strength if args.rg_strength is None else args.rg_strength,
-                             rate_guard=not args.no_rate_guard,
-                             read_ahead=SpecSettings.read_ahead if args.read_ahead is None else args.read_ahead)
+                             rate_guard=not args.no_rate_guard)
     methods = args.methods.split(",")
     records: list[Record] = []
     for rep in range(args.reps):

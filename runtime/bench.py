@@ -49,14 +49,14 @@ def resolve_workload(name: str) -> Path:
 
 def time_breakdown(start: dict, end: dict, spent: dict, seconds: float, tokens: int) -> dict:
     """Where a generated token's decode time goes, in ms: draft and verification compute, reads the
-    pass waited for (the critical path), reads a prefetch or a read ahead hid behind compute, and the rest (AR steps
+    pass waited for (the critical path), reads a prefetch hid behind compute, and the rest (AR steps
     of a speculative method, sampling, bookkeeping; all of AR's compute)."""
     def fetch(phase: str) -> float:
         a, b = start["phases"].get(phase), end["phases"].get(phase)
         return (b["fetch_seconds"] if b else 0.0) - (a["fetch_seconds"] if a else 0.0)
 
     waited = {ph: fetch(ph) for ph in ("draft", "verify", "ar")}
-    hidden = sum(end[k]["hidden_seconds"] - start[k]["hidden_seconds"] for k in ("prefetch", "read_ahead"))
+    hidden = end["prefetch"]["hidden_seconds"] - start["prefetch"]["hidden_seconds"]
     n = max(tokens, 1) / 1e3
     parts = {"draft_compute": spent["draft"] - waited["draft"], "verify_compute": spent["verify"] - waited["verify"],
              "fetch_critical": sum(waited.values())}
@@ -153,15 +153,13 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                     "max_tokens": max_tokens, "draft_topk": settings.draft_topk, "draft_cap": settings.draft_cap,
                     "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                     "min_p": params.min_p, "draws": params.draws, "acceptance": settings.acceptance,
-                    "draft_vocab": settings.draft_vocab, "gating": settings.gating(spec, loaded.config.top_k),
-                    "read_ahead": settings.read_ahead if spec.admit != "none" else 0},
+                    "draft_vocab": settings.draft_vocab, "gating": settings.gating(spec, loaded.config.top_k)},
             extra={"acceptance_length": statistics.mean(a for a in acc if a is not None),
                    "reuse_ratio": statistics.mean(reuse) if reuse else None,
                    "bytes_fetched_per_token": fetched / max(tokens, 1),
                    "decode_tokens_per_s_aggregate": throughput[name],
                    "ms_per_token": breakdown,
                    "prefetch": prefetch_counts(start, end),
-                   "read_ahead": {k: round(v - start["read_ahead"][k], 6) for k, v in end["read_ahead"].items()},
                    "prefetch_trial": trial,
                    "cost_constants": costs.to_dict() if costs else None,
                    "live_costs": live_now,

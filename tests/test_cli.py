@@ -216,10 +216,10 @@ def test_bench_records_carry_the_schema(tiny_model_dirs, tmp_path):
     assert records[1]["ms_per_token"]["draft_compute"] > 0 and records[1]["ms_per_token"]["verify_compute"] > 0
     assert records[0]["speedup_vs_ar"] == pytest.approx(1.0)
     for rec in records:  # the run's prefetch counters: verification's misses split by why, never more than it read
-        pf = rec["prefetch"]  # (a miss a read a layer ahead had started is neither a prefetch's nor a missed one)
+        pf = rec["prefetch"]
         split = pf["missed_refused"] + pf["missed_capped"] + pf["missed_evicted"] + pf["missed_unpredicted"] + \
             pf["missed_gated"]
-        assert pf["used"] + split + rec["read_ahead"]["used"] == pf["verify_misses"] and min(pf.values()) >= 0
+        assert pf["used"] + split == pf["verify_misses"] and min(pf.values()) >= 0
     assert records[0]["prefetch"]["issued"] == records[0]["prefetch"]["verify_misses"] == 0  # AR
     assert records[1]["prefetch"]["verify_misses"] > 0 and records[1]["prefetch"]["used"] > 0  # s2moe read ahead
     ar_steps = records[0]["steps"]  # 5 tokens a prompt after prefill's: AR makes each in a step of its own

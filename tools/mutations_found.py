@@ -535,7 +535,7 @@ FOUND += [
              "    if False:", ["tests/test_calib.py", "-k", "interrupted_profile"],
              "profile --resume keeps an older samples file's slope (a flat one gave bandwidth inf)"),
     Mutation("in-flight-wait-retry-hides-nothing", "runtime/offload/cache.py",
-             "st.waited_seconds += max(0.0,", "st.waited_seconds -= max(0.0,",
+             "self.prefetch_stats.waited_seconds +=", "self.prefetch_stats.waited_seconds -=",
              ["tests/test_live_costs.py", "-k", "in_flight_cost"], "what verification waited for prefetches subtracted"),
     # -- FR-Spec draft heads (--draft-vocab, model/draft_head.py) --
     Mutation("draft-head-rows-misaligned", "runtime/model/forward.py",

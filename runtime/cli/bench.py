@@ -35,7 +35,6 @@ def bench(
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     prefetch_slots: Optional[int] = typer.Option(None, "--prefetch-slots", min=0, help="Prefetches in flight at most (default 2 × top-k under a budget); each takes its room in the expert cache."),
     always_prefetch: bool = typer.Option(False, "--always-prefetch", help="Prefetch on every iteration (default, on the CPU with live costs: only where a trial in the run measures it taking fewer seconds per token)."),
-    read_ahead: int = typer.Option(SpecSettings.read_ahead, "--read-ahead", help="Verification under a budget: each token's N likeliest experts of the next MoE layer start reading while a layer runs, into the streaming workspace (0 = off); gating never counts them."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the cost constants fixed instead of following the passes the run makes."),
     no_rate_guard: bool = typer.Option(False, "--no-rate-guard", help="AE keeps speculating even where speculation is measured slower than AR steps (the guard needs live costs)."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
@@ -92,7 +91,7 @@ def bench(
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, rg_strength=rg_strength, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch, prefetch_slots=prefetch_slots,
-                                 prefetch_always=always_prefetch, read_ahead=read_ahead,
+                                 prefetch_always=always_prefetch,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         check_draft_vocab(loaded, settings, draft_vocab)

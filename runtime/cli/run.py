@@ -37,7 +37,6 @@ def run(
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     prefetch_slots: Optional[int] = typer.Option(None, "--prefetch-slots", min=0, help="Prefetches in flight at most (default 2 × top-k under a budget); each takes its room in the expert cache."),
     always_prefetch: bool = typer.Option(False, "--always-prefetch", help="Prefetch on every iteration (default, on the CPU with live costs: only where a trial in the run measures it taking fewer seconds per token)."),
-    read_ahead: int = typer.Option(SpecSettings.read_ahead, "--read-ahead", help="Verification under a budget: each token's N likeliest experts of the next MoE layer start reading while a layer runs, into the streaming workspace (0 = off); gating never counts them."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the profile's (or start-up) cost constants fixed instead of following the passes this run makes."),
     no_rate_guard: bool = typer.Option(False, "--no-rate-guard", help="AE keeps speculating even where speculation is measured slower than AR steps (the guard needs live costs)."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),
@@ -94,7 +93,7 @@ def run(
         settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
                                  chosen.profile, rg_residency=rg_residency, rg_strength=rg_strength, draft_fallback=draft_fallback,
                                  draft_resident=not draft_any_expert, prefetch=not no_prefetch, prefetch_slots=prefetch_slots,
-                                 prefetch_always=always_prefetch, read_ahead=read_ahead,
+                                 prefetch_always=always_prefetch,
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
@@ -147,7 +146,6 @@ def run(
                                                   "top_p": params.top_p, "min_p": params.min_p, "seed": params.seed,
                                                   "draws": params.draws},
                  "draft_topk": settings.draft_topk, "gating": settings.gating(spec, loaded.config.top_k),
-                 "read_ahead": settings.read_ahead if spec.admit != "none" else 0,
                  "cost_constants": costs.to_dict() if costs else None, "offload": report,
                  "backend": {"name": arrays.name, "reason": arrays.reason, "host_reads": arrays.host_reads}}
         if json_out:

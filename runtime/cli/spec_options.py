@@ -22,7 +22,7 @@ def default_draft_topk(top_k: int) -> int:
 def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_cap: int | None,
                   threshold: float | None, rg_variant: str, profile=None, **switches) -> SpecSettings:
     """``switches``: further `SpecSettings` fields given on the command line (rg_residency,
-    rg_strength, draft_fallback, draft_resident, prefetch, prefetch_slots, read_ahead, acceptance, ae_lookahead, rate_guard, draft_vocab,
+    rg_strength, draft_fallback, draft_resident, prefetch, prefetch_slots, acceptance, ae_lookahead, rate_guard, draft_vocab,
     token_ranks)."""
     spec = profile.speculative if profile is not None else {}
     if draft_topk:

@@ -96,12 +96,6 @@ class SpecSettings:
     # on the host with live costs, prefetch only where a trial in the run measures it taking fewer
     # seconds per token (prefetch_trial.py); True: on every iteration
     prefetch_always: bool = False
-    # verification under a budget: while a layer runs, each token's n likeliest experts of the next MoE
-    # layer (its router on this layer's input) that are absent start reading into the streaming
-    # workspace, never evicting and never joining gating's E*: routing does not see them (0: off).
-    # 1 read 1.12x more tokens a second than 0 on the widened model at 25 %, 2 wasted more than it hid
-    # (docs/performance/s2moe-prefetch.md, "Reading a layer ahead inside verification")
-    read_ahead: int = 1
     # AE's p_i: "learned" (P(accepted | draft confidence) from the run's verifications; see
     # acceptance.py) or "confidence" (the draft's own probability, as the paper has it)
     acceptance: str = "learned"
@@ -128,7 +122,6 @@ class SpecSettings:
         number("--rg-strength", self.rg_strength, low=0)
         number("confidence threshold", self.confidence_threshold, low=0, high=1)
         number("--draft-vocab", self.draft_vocab, low=0, integer=True)
-        number("--read-ahead", self.read_ahead, low=0, high=num_experts, integer=True)
         if self.prefetch_slots is not None:
             number("--prefetch-slots", self.prefetch_slots, low=0, high=4096, integer=True)
         if self.rg_variant not in ("paper", "code", "resident"):

@@ -347,13 +347,13 @@ class SpeculativeDecoder:
 
     # -- verification ---------------------------------------------------------------------------
     def _verify_policy(self, confidences: list[float]) -> RoutingPolicy:
-        s = self.settings
         if not self.method.reuse_gating:
-            return RoutingPolicy(read_ahead=s.read_ahead) if s.read_ahead else TARGET
+            return TARGET
+        s = self.settings
         rg = ReuseGating(self.top_k, s.reuse_cap_for(self.top_k), s.rg_variant, s.rg_strength,
                          np.asarray(confidences), s.rg_residency, self._available,
                          getattr(getattr(self.model, "ops", None), "reuse_bias", None))
-        return RoutingPolicy(selection_bias=rg.bias, read_ahead=s.read_ahead)
+        return RoutingPolicy(selection_bias=rg.bias)
 
     def _accept_chain(self, logits: np.ndarray, d: Draft, draws, base: int, offset: int = 0) -> tuple[int, int]:
         """(accepted count, next token) for a chain whose i-th token sits at batch row offset+i+1

@@ -29,7 +29,6 @@ from .draft_head import DraftHead, HeadOrder, head_order, load_token_ranks, perm
 from ..offload.experts import ExpertProvider
 from .kv_cache import KVCache
 from .loader import LoadedModel
-from .read_ahead import NextLayerGuess
 from .routing import TARGET, LayerRouting, RoutingPolicy, RoutingRecord, restrict
 
 
@@ -115,8 +114,6 @@ class MoEModel:
         # `decode_pass`'s fixed arguments per layer ([]: it does not apply), and the weights they came from
         self._pass_layers: list | None = None
         self._pass_weights = None
-        self._guess: NextLayerGuess | None = None  # a verification's next-layer guess (read_ahead)
-        self._guess_weights = None
 
     def draft_head(self, n: int, ranks_path: str | None = None) -> DraftHead | None:
         """The lm head over the ``n`` most frequent tokens (model/draft_head.py), built once per
@@ -205,8 +202,6 @@ class MoEModel:
                 experts, weights, out = stepped  # out None: a choice not resident, streamed below
             if record is not None:
                 record.layers[L] = LayerRouting(logits, experts, weights)
-            if policy.read_ahead and norm is None and x.shape[0] > 1:
-                self._read_ahead(L, x, policy.read_ahead)
         grouped = residual is not None and not c.shared_expert_intermediate_size
         if out is None:
             with self.split.part("experts"):
@@ -216,16 +211,6 @@ class MoEModel:
             with self.split.part("shared_experts"):
                 out += self._dense_mlp(L, x, "shared_")
         return out if grouped or residual is None else residual + out
-
-    def _read_ahead(self, L: int, x: np.ndarray, n: int) -> None:
-        """Tell the expert cache the next MoE layer's likeliest experts, so their reads start once
-        this layer's are queued (a host pass; the guess is rebuilt for new weights)."""
-        plan = getattr(self.experts, "read_ahead", None)
-        if plan is None or self.backend.on_device or getattr(self.experts, "capacity", None) is None:
-            return  # (no budget: every expert is resident)
-        if self._guess is None or self._guess_weights is not self.W:
-            self._guess, self._guess_weights = NextLayerGuess(self), self.W
-        plan(self._guess.guess(L, x, n))
 
     def _moe_step(self, L: int, x: np.ndarray, logits: np.ndarray, k: int, policy: RoutingPolicy):
         """A decode token's routing, restriction and resident experts in one C call (kernels/cpu.py

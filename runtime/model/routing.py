@@ -28,9 +28,6 @@ class RoutingPolicy:
     selection_bias: SelectionBias | None = None
     allowed: Allowed | None = None  # restrict the chosen experts (see `restrict`)
     fallback: str = "best"  # a token left with no allowed expert: the best allowed one, or none
-    # a multi-token pass under a budget: each token's n likeliest experts of the next MoE layer start
-    # reading while this layer runs (model/read_ahead.py, offload/read_ahead.py); never routing
-    read_ahead: int = 0
 
     def k_for(self, layer: int, default: int) -> int:
         return int(self.layer_top_k.get(layer, self.top_k or default))

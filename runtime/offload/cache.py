@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -27,10 +28,64 @@ import numpy as np
 from ..errors import UsageError
 from .experts import ExpertWeights
 from .policies import LRU, POLICIES, DecayedLFU  # noqa: F401 (LRU, DecayedLFU: imported from here too)
-from .read_ahead import ReadAhead
-from .stats import PhaseStats, PrefetchStats  # noqa: F401 (PhaseStats: imported from here too)
 
 Key = tuple[int, int]
+
+
+@dataclass
+class PhaseStats:
+    hits: int = 0
+    misses: int = 0
+    streamed: int = 0  # misses that could not be kept (no evictable room)
+    bytes_read: int = 0
+    fetch_seconds: float = 0.0
+    passes: int = 0
+    unique_experts: int = 0  # summed over passes
+
+    def to_dict(self) -> dict:
+        looked_up = self.hits + self.misses
+        return {
+            "hits": self.hits, "misses": self.misses, "streamed": self.streamed,
+            "hit_rate": round(self.hits / looked_up, 4) if looked_up else None,
+            "bytes_read": self.bytes_read, "fetch_seconds": round(self.fetch_seconds, 6),
+            "bandwidth_mb_s": round(self.bytes_read / self.fetch_seconds / 1e6, 2) if self.fetch_seconds else None,
+            "passes": self.passes,
+            "unique_experts_per_pass": round(self.unique_experts / self.passes, 3) if self.passes else None,
+        }
+
+
+@dataclass
+class PrefetchStats:
+    """Draft-guided prefetch: experts read ahead of the verification pass that needs them."""
+
+    issued: int = 0
+    used: int = 0  # served a verification miss (no read on the critical path, or a shorter one)
+    kept: int = 0  # not used, kept in the cache (in the room it took, or free room for a borrowed one)
+    wasted: int = 0  # not used, dropped
+    wasted_bytes: int = 0
+    refused: int = 0  # not started: no room in the cache (see borrowed) and no idle read buffer
+    refused_keys: int = 0  # of those, distinct experts per iteration (a guess is refused after each draft token)
+    borrowed: int = 0  # of those issued: read into the idle streaming workspace, the cache having no room
+    gated: int = 0  # calls (a draft token's guesses) held back by the prefetch trial
+    read_seconds: float = 0.0  # of the prefetches used: issue to completion
+    waited_seconds: float = 0.0  # of those, what a pass still waited
+    # verification's reads no prefetch had started, by why: the guess was refused (no room), left
+    # past the reads-in-flight cap, predicted while resident (or used by the draft) and evicted
+    # since, or never predicted (another token's choice, or gating's)
+    missed_refused: int = 0
+    missed_capped: int = 0
+    missed_evicted: int = 0
+    missed_unpredicted: int = 0
+    missed_gated: int = 0  # predicted, but this iteration's guesses were held back (see `hold_back`)
+
+    def to_dict(self) -> dict:
+        return {"issued": self.issued, "used": self.used, "kept": self.kept, "wasted": self.wasted,
+                "wasted_bytes": self.wasted_bytes, "refused": self.refused, "refused_keys": self.refused_keys,
+                "borrowed": self.borrowed, "gated": self.gated, "missed_refused": self.missed_refused,
+                "missed_capped": self.missed_capped, "missed_evicted": self.missed_evicted,
+                "missed_unpredicted": self.missed_unpredicted, "missed_gated": self.missed_gated,
+                "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
+                "waited_seconds": round(self.waited_seconds, 6)}
 
 
 def _done(item) -> bool:
@@ -83,7 +138,6 @@ class ExpertCache:
         self._gated: set[Key] = set()  # and those held back
         self._size = resident_size
         self._prefetched: dict[Key, tuple[object, float, list]] = {}  # future, issued at, [done at]
-        self.ahead = ReadAhead(store)  # a multi-token pass's next-layer guesses: the workspace's, outside E*
         self.prefetch_stats = PrefetchStats()
         self.held: dict[Key, ExpertWeights] = {}
         self._by_layer: dict[int, set[int]] = defaultdict(set)  # resident experts per layer
@@ -226,7 +280,6 @@ class ExpertCache:
         held = self.held
         if not all((layer, e) in held for e in experts):
             return None
-        self._ahead_past(layer, start=True)
         return self._look_up([(layer, int(e)) for e in experts])[2]
 
     def resident_table(self, layer: int, num_experts: int, convert) -> list:
@@ -284,28 +337,21 @@ class ExpertCache:
         cache's) in flight."""
         stats, keys, hits, missing = self._look_up([(layer, int(e)) for e in experts])
         if not missing:
-            self._ahead_past(layer, start=True)
             if hits:
                 yield hits
             return
         window = window or self.window
-        lent = len(self._borrowed) + len(self.ahead)
-        if lent:  # guesses held in the streaming workspace: this pass gets the rest of it
-            window = max(1, window - (lent + 1) // 2)
+        if self._borrowed:  # guesses held in the streaming workspace: this pass gets the rest of it
+            window = max(1, window - (len(self._borrowed) + 1) // 2)
             self._borrowed.difference_update(missing)  # this layer's are used now, in its group
         submit = getattr(self.store, "submit", None)
         protected = set(keys)
-        # experts a draft prefetched or the layer before guessed are in flight or read already: they
-        # go first, outside the window
+        # experts a draft prefetched are in flight or read already: they go first, outside the window
         ahead = [(key, self._prefetched.pop(key)) for key in missing if key in self._prefetched]
-        self.prefetch_stats.used += len(ahead)
-        guessed = self.ahead.take(key for key in missing if key not in dict(ahead))
-        self._ahead_past(layer)  # this layer's wrong guesses, and any older ones
-        ahead += guessed
-        guessed = {key for key, _ in guessed}
         pending = deque(key for key in missing if key not in dict(ahead))
         inflight = deque((key, future) for key, (future, _, _) in ahead)
         issued = {key: (t, done) for key, (_, t, done) in ahead}
+        self.prefetch_stats.used += len(ahead)
         if self.phase == "verify" and self.prefetch_slots:
             self._classify_misses(pending)
 
@@ -316,20 +362,15 @@ class ExpertCache:
 
         # the first reads start before the caller computes the resident experts, so the two overlap
         # (hits first, then reads, had cost AR 1.2-1.3x on the widened model: docs/performance.md)
-        last: list = []  # the group the caller computes on: its buffers are alive until the next one
         try:
             t0 = time.perf_counter()
             fill()  # (inside: a submit that fails still cancels the prefetches taken over above)
-            if not pending:  # this layer's reads are all queued: the next layer's guesses queue behind them
-                self._start_ahead(len(inflight))
             stats.fetch_seconds += time.perf_counter() - t0  # (without fetch threads: the reads themselves)
             if hits:
                 yield hits
             while pending or inflight:
                 t0 = time.perf_counter()
                 fill()
-                if not pending and self.ahead.planned:
-                    self._start_ahead(len(inflight) + len(last))
                 group = []
                 while inflight and (not group or _done(inflight[0][1])):  # the next, and any others already read
                     key, item = inflight.popleft()
@@ -339,9 +380,8 @@ class ExpertCache:
                     if key in issued:  # a prefetch: how much of its read the pass did not wait for
                         t_issue, done = issued.pop(key)
                         landed = _landed(item, done)
-                        st = self.ahead.stats if key in guessed else self.prefetch_stats
-                        st.waited_seconds += max(0.0, (landed or waited) - waited)
-                        st.read_seconds += (landed or time.perf_counter()) - t_issue
+                        self.prefetch_stats.waited_seconds += max(0.0, (landed or waited) - waited)
+                        self.prefetch_stats.read_seconds += (landed or time.perf_counter()) - t_issue
                     stats.bytes_read += self.store.stored_bytes(*key)
                     if self._make_room(key, w.nbytes, protected):
                         self._keep(key, w)
@@ -352,9 +392,7 @@ class ExpertCache:
                     self._land(group)
                 stats.fetch_seconds += time.perf_counter() - t0  # time the pass waited for reads
                 self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
-                last = group
                 yield group
-            self._start_ahead(len(last))  # the layer is done: what the workspace lends now
         finally:  # a caller that stops early (an error in its compute) leaves no reads queued
             for key, item in inflight:
                 self._release(key)
@@ -368,39 +406,6 @@ class ExpertCache:
         land = getattr(getattr(self.place, "__self__", None), "land", None)
         if land is not None:
             land([w for _, w in group])
-
-    # -- reads a layer ahead (offload/read_ahead.py) ----------------------------------------------
-    def read_ahead(self, keys: Iterable[Key]) -> None:
-        """The next MoE layer's guessed experts, likeliest first (a multi-token pass, while this
-        layer routes): read once this layer's own reads are queued, as far as the workspace lends."""
-        self.ahead.plan(k for k in keys if k not in self.held)
-
-    def _start_ahead(self, alive: int) -> None:
-        """Start planned guesses while ``alive`` of a stream's reads and buffers hold the workspace:
-        with the guesses (the draft's borrowed ones too) within `staging`, and all within the plan's
-        2 × window of experts."""
-        if not self.ahead.planned:
-            return
-        held = len(self._borrowed) + len(self.ahead)
-        room = min(self.staging - held, 2 * self.window - alive - held)
-        if room > 0:
-            self.ahead.start(room, lambda k: k in self.held or k in self._prefetched)
-
-    def _ahead_past(self, layer: int, start: bool = False) -> None:
-        """A pass has reached ``layer``: guesses for it and earlier layers are no use any more. With
-        ``start`` (the layer reads nothing), the next layer's guesses start now."""
-        if self.ahead.reads or self.ahead.planned:  # (a decode step's every layer comes here)
-            self._drop_ahead(layer)
-            if start:
-                self._start_ahead(0)
-
-    def _drop_ahead(self, through_layer: int | None = None) -> None:
-        before = self.ahead.stats.wasted_bytes
-        waited = self.ahead.drop(through_layer)
-        if through_layer is not None:
-            self.ahead.planned = [k for k in self.ahead.planned if k[0] > through_layer]
-        self.stats["read_ahead"].bytes_read += self.ahead.stats.wasted_bytes - before
-        self.stats[self.phase].fetch_seconds += waited
 
     # -- draft-guided prefetch --------------------------------------------------------------------
     def prefetch(self, keys: Iterable[Key]) -> int:
@@ -417,10 +422,10 @@ class ExpertCache:
             if len(self._prefetched) >= self.prefetch_slots:
                 self._capped.update(k for k in keys[i:] if k not in self.held and k not in self._prefetched)
                 break
-            if key in self.held or key in self._prefetched or key in self.ahead.reads:
+            if key in self.held or key in self._prefetched:
                 continue
             borrow = not self._reserve(key, self._predicted)  # the policy keeps what it holds over this guess
-            if borrow and len(self._borrowed) + len(self.ahead) >= self.staging:
+            if borrow and len(self._borrowed) >= self.staging:
                 self.prefetch_stats.refused += 1
                 if key not in self._refused:
                     self._refused.add(key)
@@ -488,8 +493,6 @@ class ExpertCache:
         are waited for (a buffer dropped here would land outside the budget), in the current
         phase's fetch time; a guess whose read failed is dropped (a pass that needs it reads again)."""
         self._predicted, self._refused, self._capped, self._gated = set(), set(), set(), set()
-        self._drop_ahead()  # (those still being read stay counted against the workspace until they land)
-        self.ahead.planned = []
         for key, (future, _, _) in list(self._prefetched.items()):
             del self._prefetched[key]
             self._release(key)
@@ -561,7 +564,6 @@ class ExpertCache:
         return {
             **({"read_buffers": pool.stats()} if pool is not None else {}),
             "prefetch": self.prefetch_stats.to_dict(),
-            "read_ahead": self.ahead.stats.to_dict(),
             "policy": self.policy.name,
             "capacity_bytes": self.capacity,
             "pinned": len(self.pinned),
