@@ -24,6 +24,18 @@ A repetition runs A then B, the next B then A, and so on: this machine drifts by
 within seconds, so only ratios within a repetition mean anything. For each method the figure is
 B's aggregate decode tok/s over A's, per repetition, with the median.
 
+A change that should only move timing is compared with the run's own timed decisions held still:
+AE's constants from a profile and fixed, hence no rate guard and no prefetch trial, and prefetch off.
+Live runs of one setting on three prompts had acceptance lengths of 3.7 to 6.0 and ran at 97 to
+150 tok/s; held still, three runs took the same steps and ran within 3 % of each other
+(docs/performance/s2moe-prefetch.md, "Reading a layer ahead inside verification"):
+
+    python benchmarks/ab.py --label X --a=... --b=... --reps 5 --out OUT \
+        -- --model WIDENED --methods s2moe --budget 0.25 --profile P --no-live-costs --no-prefetch
+
+The table then says whether both sides took the same steps (drafted, accepted, verifications) in
+every repetition: if they did, the ratio is timing alone.
+
 Writes ``--out``.json / .csv (raw samples, acceptance, MB fetched per token, the constants each run
 ended with, machine, commit) and prints a markdown table. Nothing else may run beside it.
 """
@@ -149,17 +161,19 @@ def main() -> None:
                        "mb_fetched_per_token": [r["extra"].get("bytes_fetched_per_token", 0) / 1e6 for r in recs],
                        "ms_per_token": [r["extra"].get("ms_per_token") for r in recs],
                        "prefetch": [r["extra"].get("prefetch") for r in recs],
+                       "steps": [r["extra"].get("steps") for r in recs],
                        "rate_guard": [r["extra"].get("rate_guard") for r in recs],
                        "constants_at_end": [r["extra"].get("live_costs") or r["extra"].get("cost_constants")
                                             for r in recs],
                        f"{b}_over_{a}": ratios if name == b else None}))
-        rows.append((method, [tok_s(r[method]) for r in runs[a]], [tok_s(r[method]) for r in runs[b]], ratios))
+        same = all(ra[method]["extra"].get("steps") == rb[method]["extra"].get("steps") for ra, rb in zip(runs[a], runs[b]))
+        rows.append((method, [tok_s(r[method]) for r in runs[a]], [tok_s(r[method]) for r in runs[b]], ratios, same))
     write_outputs(records, machine_info(), args.out, f"{args.label}: {b} against {a}")
-    print(f"| method | {a} tok/s | {b} tok/s | {b} / {a}, each repetition | median |")
-    print("|---|---|---|---|---|")
-    for method, sa, sb, ratios in rows:
+    print(f"| method | {a} tok/s | {b} tok/s | {b} / {a}, each repetition | median | same steps |")
+    print("|---|---|---|---|---|---|")
+    for method, sa, sb, ratios, same in rows:
         print(f"| {method} | {', '.join(f'{x:.2f}' for x in sa)} | {', '.join(f'{x:.2f}' for x in sb)} | "
-              f"{', '.join(f'{x:.3f}' for x in ratios)} | **{statistics.median(ratios):.3f}×** |")
+              f"{', '.join(f'{x:.3f}' for x in ratios)} | **{statistics.median(ratios):.3f}×** | {'yes' if same else 'no'} |")
 
 
 if __name__ == "__main__":
