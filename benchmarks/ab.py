@@ -166,7 +166,8 @@ def main() -> None:
                        "constants_at_end": [r["extra"].get("live_costs") or r["extra"].get("cost_constants")
                                             for r in recs],
                        f"{b}_over_{a}": ratios if name == b else None}))
-        same = all(ra[method]["extra"].get("steps") == rb[method]["extra"].get("steps") for ra, rb in zip(runs[a], runs[b]))
+        same = all(ra[method]["extra"].get("steps") == rb[method]["extra"].get("steps")
+                   for ra, rb in zip(runs[a], runs[b]))  # the same decisions: the ratio is timing alone
         rows.append((method, [tok_s(r[method]) for r in runs[a]], [tok_s(r[method]) for r in runs[b]], ratios, same))
     write_outputs(records, machine_info(), args.out, f"{args.label}: {b} against {a}")
     print(f"| method | {a} tok/s | {b} tok/s | {b} / {a}, each repetition | median | same steps |")

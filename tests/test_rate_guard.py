@@ -10,11 +10,10 @@ import sys
 
 import pytest
 
-from s2moe.runtime.decoding.cost_model import CostConstants
+from s2moe.runtime.decoding.cost_model import CostConstants, expected_tokens
 from s2moe.runtime.decoding.generate import generate_ar
 from s2moe.runtime.decoding.methods import SpecSettings, get_method
 from s2moe.runtime.decoding.rate_guard import RateGuard
-from s2moe.runtime.decoding.cost_model import expected_tokens
 from s2moe.runtime.decoding.speculative import SpeculativeDecoder
 from s2moe.runtime.engine import build_engine
 

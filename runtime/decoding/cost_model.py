@@ -5,6 +5,9 @@ learned values end in ``_``, ``score`` is R²) without importing scikit-learn at
     latency ≈ t_base + t_token · n_tokens + t_exp_miss · n_missing + t_exp_hit · n_resident
 where n_missing / n_resident count the distinct experts a pass needs that are not / are already
 in the fast tier. Coefficients are fitted non-negative (a negative cost is never physical).
+
+Two prices AE takes from these constants live here too: ``marginal_verification_cost`` (what a
+draft token adds to its verification) and ``expected_tokens`` (what a verification should emit).
 """
 
 from __future__ import annotations
