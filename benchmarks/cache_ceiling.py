@@ -33,15 +33,32 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from s2moe.runtime.offload.policies import POLICIES  # noqa: E402
+from s2moe.runtime.offload.policies import POLICIES, DecayedLFU  # noqa: E402
 from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
 
 READS = ("ar", "verify")  # passes whose reads count per token (prefill's do not, as in s2moe bench)
 
 
-def replay_policy(passes, capacity: int, name: str) -> dict:
-    """Reads per phase through the runtime's policy ``name``, as `ExpertCache` admits and evicts."""
-    policy, held, reads = POLICIES[name](), set(), defaultdict(int)
+class _AdmitAll(DecayedLFU):
+    """The default LFU without its admission filter: every read is kept, evicting the coldest."""
+
+    def admit(self, key, victim, coming: bool = False) -> bool:
+        return True
+
+
+VARIANTS = {  # --variants: simple online changes to the default policy
+    "lfu, half-life 32": lambda: DecayedLFU(half_life=32),
+    "lfu, half-life 128": lambda: DecayedLFU(half_life=128),
+    "lfu, half-life 2048": lambda: DecayedLFU(half_life=2048),
+    "lfu, no decay": lambda: DecayedLFU(half_life=float("inf")),
+    "lfu, every read admitted": _AdmitAll,
+}
+
+
+def replay_policy(passes, capacity: int, name: str, make=None) -> dict:
+    """Reads per phase through the runtime's policy ``name`` (or ``make()``), as `ExpertCache`
+    admits and evicts."""
+    policy, held, reads = (make or POLICIES[name])(), set(), defaultdict(int)
     for phase, _, keys in passes:
         protected = set(keys)
         for key in keys:
@@ -104,6 +121,7 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, required=True, help="experts the cache holds")
     ap.add_argument("--expert-mib", type=float, default=3.0)
     ap.add_argument("--out", default=None, help="output stem for the records")
+    ap.add_argument("--variants", action="store_true", help="also replay simple variants of the default LFU")
     args = ap.parse_args()
     records = []
     data = json.load(open(args.trace))
@@ -116,6 +134,8 @@ def main() -> None:
         passes = [(phase, n, [(k // E, k % E) for k in keys]) for phase, n, keys in run["passes"]]
         tokens = max(run["tokens"], 1)
         got = {f"runtime {name}": replay_policy(passes, args.capacity, name) for name in ("lfu", "lru")}
+        if args.variants:
+            got.update({label: replay_policy(passes, args.capacity, "", make) for label, make in VARIANTS.items()})
         got["MIN (knows the future)"] = replay_min(passes, args.capacity)
         base = sum(got["runtime lfu"][p] for p in READS)
         for label, reads in got.items():
