@@ -69,6 +69,8 @@ def test_the_trial_prefetches_until_it_has_measured_both_ways():
 
 
 def _decoder(engine, live=True, **settings) -> SpeculativeDecoder:
+    """A decoder that runs the trial where it applies (the default prefetches on every iteration)."""
+    settings = {"prefetch_always": False, **settings}
     return SpeculativeDecoder(engine.model, get_method("ca+ae"), SpecSettings(draft_cap=4, **settings), COSTS, live=live)
 
 
@@ -100,6 +102,8 @@ def test_a_decoder_feeds_the_trial_its_iterations_and_keeps_ar_output():
 def test_only_a_live_host_run_of_a_drafting_method_with_prefetch_tries():
     engine = build_engine(str(DEFAULT_MODEL), "0.25", 64)
     assert isinstance(_decoder(engine).trial, PrefetchTrial)
+    default = SpeculativeDecoder(engine.model, get_method("ca+ae"), SpecSettings(), COSTS, live=True)
+    assert default.trial is None  # asked for only: by default every iteration prefetches
     assert _decoder(engine, live=False).trial is None  # fixed constants: the same decisions anywhere
     assert _decoder(engine, prefetch_always=True).trial is None
     assert _decoder(engine, prefetch=False).trial is None
@@ -115,10 +119,11 @@ def test_only_a_live_host_run_of_a_drafting_method_with_prefetch_tries():
     engine.close()
 
 
-def test_bench_records_the_trial_and_always_prefetch_turns_it_off(tmp_path):
+def test_bench_records_the_trial_only_when_asked_for(tmp_path):
     cmd = [sys.executable, "-m", "s2moe.runtime.cli", "bench", "--methods", "s2moe", "-b", "0.25", "--n-prompts", "2",
            "--max-tokens", "24"]
-    for extra, tried in (((), True), (("--always-prefetch",), False), (("--no-live-costs",), False)):
+    for extra, tried in (((), False), (("--prefetch-trial",), True), (("--prefetch-trial", "--always-prefetch"), False),
+                         (("--prefetch-trial", "--no-live-costs"), False)):
         out = tmp_path / "b.json"
         r = subprocess.run(cmd + ["--json", str(out), *extra], capture_output=True, text=True, cwd=ROOT)
         assert r.returncode == 0, r.stderr

@@ -408,7 +408,10 @@ PREFETCH: list[Mutation] = [
              "verification's reads of guesses held back are counted as guesses never made"),
     Mutation("bench-drops-the-trial", "runtime/cli/bench.py",
              "                                 prefetch_always=always_prefetch,\n", "",
-             ["tests/test_prefetch_trial.py", "-k", "bench"], "`s2moe bench --always-prefetch` still runs the trial"),
+             ["tests/test_prefetch_trial.py", "-k", "bench"], "`s2moe bench --prefetch-trial` is accepted and not used"),
+    Mutation("trial-by-default", "runtime/decoding/methods.py", "    prefetch_always: bool = True\n",
+             "    prefetch_always: bool = False\n", ["tests/test_prefetch_trial.py", "-k", "only_a_live or bench"],
+             "the prefetch trial runs unasked: on 12 prompts it was never faster than prefetching every iteration"),
     # one token against plain rows four at a time (csrc/cpu/dot.c; the copy's extension is rebuilt)
     Mutation("rows4-chains-swapped", "csrc/cpu/dot.c",
              "            a[i][1] = _mm256_fmadd_ps(w[1], x1, a[i][1]);\n            a[i][0] = _mm256_fmadd_ps(w[2], x2, a[i][0]);",

@@ -34,7 +34,7 @@ def bench(
     draft_any_expert: bool = typer.Option(False, "--draft-any-expert", help="Let the draft fetch absent experts (default: resident ones only under a budget)."),
     no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not read the experts the draft predicts for verification ahead of time."),
     prefetch_slots: Optional[int] = typer.Option(None, "--prefetch-slots", min=0, help="Prefetches in flight at most (default 2 × top-k under a budget); each takes its room in the expert cache."),
-    always_prefetch: bool = typer.Option(False, "--always-prefetch", help="Prefetch on every iteration (default, on the CPU with live costs: only where a trial in the run measures it taking fewer seconds per token)."),
+    always_prefetch: bool = typer.Option(True, "--always-prefetch/--prefetch-trial", help="Prefetch on every iteration (the default), or, on the CPU with live costs, only where a trial in the run measures it taking fewer seconds per token."),
     no_live_costs: bool = typer.Option(False, "--no-live-costs", help="Keep the cost constants fixed instead of following the passes the run makes."),
     no_rate_guard: bool = typer.Option(False, "--no-rate-guard", help="AE keeps speculating even where speculation is measured slower than AR steps (the guard needs live costs)."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability of a draft token: learned (from the verifications made so far) or confidence (the draft's own probability, as in the paper)."),

@@ -93,9 +93,13 @@ class SpecSettings:
     # flight (None: 2 × top-k under a budget); each takes its room in the expert cache
     prefetch: bool = True
     prefetch_slots: int | None = None
-    # on the host with live costs, prefetch only where a trial in the run measures it taking fewer
-    # seconds per token (prefetch_trial.py); True: on every iteration
-    prefetch_always: bool = False
+    # True: prefetch on every iteration. False: on the host with live costs, only where a trial in
+    # the run measures it taking fewer seconds per token (prefetch_trial.py). On 12 prompts a
+    # workload the trial was never faster: every iteration ran 0.99-1.12x its speed on the widened
+    # model at 25 % and 1.08x at 10 %, 1.01-1.06x on the embedded model (the 3-prompt runs that had
+    # favoured it followed a few texts: docs/performance/s2moe-prefetch.md, "Prefetch on every
+    # iteration by default")
+    prefetch_always: bool = True
     # AE's p_i: "learned" (P(accepted | draft confidence) from the run's verifications; see
     # acceptance.py) or "confidence" (the draft's own probability, as the paper has it)
     acceptance: str = "learned"

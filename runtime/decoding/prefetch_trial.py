@@ -1,5 +1,10 @@
 """Prefetch where the run measures it paying: a trial of both ways, then the cheaper one.
 
+Asked for with `--prefetch-trial` (`SpecSettings.prefetch_always=False`). Since session 28 every
+iteration prefetches by default: on 12 prompts a workload the trial was never faster (0.89-1.01x
+prefetching always, docs/performance/s2moe-prefetch.md, "Prefetch on every iteration by default").
+The figures below were taken on 3-6 prompts, which follow a few texts under residency-aware gating.
+
 Draft-guided prefetch hides verification's reads behind the draft's compute. Starting a read, and
 the I/O thread it wakes, cost CPU, and on a host whose cores all compute that comes out of the
 draft. Which one wins depends on the model and the machine (docs/performance/s2moe-prefetch.md,
