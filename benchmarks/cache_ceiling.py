@@ -55,15 +55,15 @@ VARIANTS = {  # --variants: simple online changes to the default policy
 }
 
 
-def replay_policy(passes, capacity: int, name: str, make=None) -> dict:
-    """Reads per phase through the runtime's policy ``name`` (or ``make()``), as `ExpertCache`
+def replay_policy(passes, capacity: int, make) -> dict:
+    """Reads per phase through the policy ``make()`` (e.g. `POLICIES["lfu"]`), as `ExpertCache`
     admits and evicts."""
-    policy, held, reads = (make or POLICIES[name])(), set(), defaultdict(int)
+    policy, held, reads = make(), set(), defaultdict(int)
     for phase, _, keys in passes:
         protected = set(keys)
         for key in keys:
             if key in held:
-                policy.touch(key) if hasattr(policy, "touch") else None
+                policy.touch(key)
                 continue
             policy.access(key)
             if phase == "draft":  # resident-only: an absent expert is not read
@@ -133,9 +133,9 @@ def main() -> None:
     for run in data["runs"]:
         passes = [(phase, n, [(k // E, k % E) for k in keys]) for phase, n, keys in run["passes"]]
         tokens = max(run["tokens"], 1)
-        got = {f"runtime {name}": replay_policy(passes, args.capacity, name) for name in ("lfu", "lru")}
+        got = {f"runtime {name}": replay_policy(passes, args.capacity, POLICIES[name]) for name in ("lfu", "lru")}
         if args.variants:
-            got.update({label: replay_policy(passes, args.capacity, "", make) for label, make in VARIANTS.items()})
+            got.update({label: replay_policy(passes, args.capacity, make) for label, make in VARIANTS.items()})
         got["MIN (knows the future)"] = replay_min(passes, args.capacity)
         base = sum(got["runtime lfu"][p] for p in READS)
         for label, reads in got.items():

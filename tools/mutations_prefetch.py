@@ -454,6 +454,9 @@ PREFETCH: list[Mutation] = [
     Mutation("rg-strength-note-never-said", "runtime/cli/spec_options.py", "    if settings.rg_strength <= 1:\n        return None",
              "    if True:\n        return None", ["tests/test_cli.py", "-k", "rg_strength"],
              "a bias past the paper's is taken without a word about what it costs"),
+    Mutation("rg-strength-note-without-gating", "runtime/cli/spec_options.py",
+             "    note = strength_note(settings) if gates else None\n", "    note = strength_note(settings)\n",
+             ["tests/test_cli.py", "-k", "rg_strength"], "a run that does not gate is warned about the bias it does not use"),
     # plain rows on AVX-512 (csrc/cpu/dot512.c)
     Mutation("avx512-batch-chains-swapped", "csrc/cpu/dot512.c",
              "            a[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[t] + 32 * g), a[t][0]);\n            a[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[t] + 32 * g + 16), a[t][1]);",

@@ -65,7 +65,7 @@ def bench(
         from ..records import machine_info, to_csv, to_json
         from ..decoding.sampling import SamplingParams
         from ..model.tokenizer import load_tokenizer
-        from .spec_options import apply_profile, check_draft_vocab, make_settings, strength_note
+        from .spec_options import apply_profile, check_draft_vocab, make_settings, say_strength_note
 
         from ..outputs import check_output, write_atomic
 
@@ -95,9 +95,7 @@ def bench(
                                  acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
                                  ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         check_draft_vocab(loaded, settings, draft_vocab)
-        note = strength_note(settings) if any(get_method(m).reuse_gating for m in names) else None
-        if note:
-            say(note, "yellow")
+        say_strength_note(settings, any(get_method(m).reuse_gating for m in names))
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, sampler=sampler)
         recorder = None
         if trace_path:

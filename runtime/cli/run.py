@@ -72,7 +72,7 @@ def run(
         from ..decoding.methods import get_method
         from ..decoding.speculative import SpeculativeDecoder
         from ..model.tokenizer import load_tokenizer
-        from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings, strength_note
+        from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings, say_strength_note
 
         spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         text_in = read_prompt(prompt, prompt_file)
@@ -98,9 +98,7 @@ def run(
                                  ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
         if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
             check_draft_vocab(loaded, settings, draft_vocab)
-        note = strength_note(settings) if spec.reuse_gating else None
-        if note:
-            say(note, "yellow")
+        say_strength_note(settings, spec.reuse_gating)
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(text_in).ids
         if not ids:

@@ -38,8 +38,16 @@ def make_settings(config, draft_topk: str | None, draft_cap: int | None, reuse_c
                                                                     config.moe_layer_ids)
 
 
+def say_strength_note(settings, gates: bool) -> None:
+    """On stderr, where a method that ``gates`` does so past the paper's bias: it buys bytes with
+    quality, priced in the docs."""
+    note = strength_note(settings) if gates else None
+    if note:
+        say(note, "yellow")
+
+
 def strength_note(settings) -> str | None:
-    """A hint for a gating bias past the paper's: it buys bytes with quality, priced in the docs."""
+    """The hint for a gating bias past the paper's (None at or below it)."""
     if settings.rg_strength <= 1:
         return None
     return (f"note: --rg-strength {settings.rg_strength:g} gates past the paper's bias (1): verification reads "
