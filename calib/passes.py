@@ -14,13 +14,14 @@ def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spe
                   emulation: dict | None, tokens: int, pool: WeightPool, progress=None,
                   fetch_threads: int | None = None, backend=None, offload_tier: str = "file",
                   kv_positions: int = 4096, batch: int | None = None, budget_from: str = "--budget"
-                  ) -> Iterator[list[CapturedPass]]:
+                  ) -> Iterator[tuple[list[CapturedPass], object]]:
     """Every verification pass of real S²-MoE decoding (reuse-aware gating on) at a budget, draft
     caps cycling 1..cap so every batch size occurs, captured for replay. The engine stays open
     (the passes replay on it) until the block ends. ``kv_positions`` and ``batch``: the memory plan
     of the run the passes stand for (calib/plan.py), and its draft head's rows (``spec["draft_vocab"]``),
     so the experts get the capacity that run has. The draft here keeps the full head: what a
-    verification pass costs does not depend on it, only which tokens get drafted."""
+    verification pass costs does not depend on it, only which tokens get drafted. Yields the passes
+    and the engine's model (the speed probe's pass runs on it too)."""
     from s2moe.runtime.kernels.backend import NUMPY
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.decoding.methods import SpecSettings, get_method
@@ -44,6 +45,6 @@ def decode_passes(loaded, prompts: list[list[int]], budget: str | None, hot, spe
                 SpeculativeDecoder(engine.model, get_method("s2moe"), settings, costs).generate(ids, tokens)
                 if progress:
                     progress.advance(task)
-        yield passes
+        yield passes, engine.model
     finally:
         engine.close()

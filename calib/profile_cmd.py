@@ -37,6 +37,7 @@ from . import draft_k as draft_k_mod
 from . import measure
 from . import plan as plan_mod
 from . import replay as replay_mod
+from . import speed_probe
 from .devices import resolve_device
 from .passes import decode_passes
 
@@ -288,13 +289,17 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
             emu = {"bandwidth_mb_s": emulate_bandwidth, "latency_us": emulate_latency}
             with decode_passes(loaded, profiling[:n_prompts] if in_situ is None else [], budget, pinned, spec, placeholder,
                                emu, 32, pool, progress, fetch_threads, arrays, tier,
-                               kv_positions=kv_positions, batch=pass_batch) as decoded:
-                t = progress.add_task(f"replays ({rounds} rounds)", total=rounds * (len(controlled) + len(decoded)))
-                replay_mod.replay(controlled + decoded, pool, rounds, lambda: progress.advance(t))
+                               kv_positions=kv_positions, batch=pass_batch) as (decoded, engine_model):
+                # the reference pass validate times too: how far the machine moves in between
+                probes = speed_probe.reference_passes(engine_model, pool)
+                t = progress.add_task(f"replays ({rounds} rounds)",
+                                      total=rounds * (len(controlled) + len(decoded) + len(probes)))
+                replay_mod.replay(decoded + probes, pool, rounds, lambda: progress.advance(t), groups=[controlled])
             ver = ver if ver is not None else [p.sample() for p in controlled]
             in_situ = in_situ if in_situ is not None else [p.sample() for p in decoded]
             keep("verification", ver)
             keep("decode_verification", in_situ)
+            keep("probe", speed_probe.summarize(probes))
         store.close()
 
     cost_model, fit_r2, fit_mape = fit_cost_model(ver, in_situ)
@@ -340,7 +345,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                                "features": list(FEATURES),
                                "timing": f"fastest of {rounds} interleaved replays per pass",
                                "loss": "relative",
-                               **fit_details(cost_model, "decode passes" if in_situ else "controlled passes")}},
+                               **fit_details(cost_model, "decode passes" if in_situ else "controlled passes"),
+                               "probe": gathered.get("probe")}},
         "hot_experts": residency,
         "speculative": {"draft_topk": draft_k, "draft_cap": draft_cap, "reuse_cap": 2 * c.top_k,
                         "utility_threshold": 1.0, "draft_vocab": draft_vocab,

@@ -19,11 +19,12 @@ import copy
 import gc
 import random
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import numpy as np
 
+from s2moe.runtime.kernels.stored import StoredMatrix
 from s2moe.runtime.offload.experts import ExpertWeights
 from s2moe.runtime.model.kv_cache import KVCache
 from s2moe.runtime.model.forward import MoEModel
@@ -63,7 +64,16 @@ class CapturedPass:
 
 
 class WeightPool:
-    """Decoded weights of experts some captured pass had resident (shared, bounded)."""
+    """Decoded weights of experts some captured pass had resident (shared, bounded), each a copy in
+    the pool's own memory (`detached`).
+
+    Why copies: a host expert is a view of the store's read buffer, and that buffer goes back to the
+    store's `BufferPool` only when the last view dies. Kept here, thousands of them stayed checked
+    out, the store's pool sat past its limit, and every read of every replay mapped a fresh buffer
+    and faulted its pages in, which a run (whose pool holds only what its cache holds) never does:
+    validate's replays made 11,760 fresh maps to 126 reuses and ran 1.18x (default model, 25 %)
+    to 1.78x (widened model) the fit, whose passes had mostly borrowed another store's buffers
+    (docs/performance/calibration.md, "Replays that read into fresh buffers")."""
 
     def __init__(self, limit_bytes: int = POOL_LIMIT_BYTES):
         self.weights: dict[Key, ExpertWeights] = {}
@@ -72,8 +82,26 @@ class WeightPool:
 
     def offer(self, key: Key, w: ExpertWeights) -> None:
         if key not in self.weights and self.nbytes + w.nbytes <= self.limit:
-            self.weights[key] = w
+            self.weights[key] = detached(w)
             self.nbytes += w.nbytes
+
+
+def _own(part):
+    if isinstance(part, StoredMatrix):
+        return StoredMatrix.checked_before(part.data.copy(), part.dtype, part.shape)
+    return part.copy() if isinstance(part, np.ndarray) else part
+
+
+def detached(w: ExpertWeights) -> ExpertWeights:
+    """``w`` with its host parts copied into memory of their own (no read buffer stays checked
+    out); device parts (CuPy arrays, no read buffers) as they are. The kernels' cached view goes:
+    it points at the old parts, and is rebuilt on first use, outside the fastest replay. Page-locked
+    parts (the host tier's staging copies, not read buffers) stay as they are: a copy would not be
+    page-locked."""
+    if w.pinned:
+        return w
+    parts = {name: _own(getattr(w, name)) for name in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")}
+    return replace(w, **parts, kernel_args=None)
 
 
 @contextmanager
@@ -111,7 +139,7 @@ def capture_passes(model: MoEModel, phase: str, pool: WeightPool) -> Iterator[li
         del model.forward
 
 
-def _restore(cache, p: CapturedPass, pool: WeightPool) -> None:
+def restore(cache, p: CapturedPass, pool: WeightPool) -> None:
     """The cache as it was before ``p``: pinned experts plus ``p.resident``, nothing read if pooled."""
     cache.clear()
     unpooled: dict[int, list[int]] = {}
@@ -129,22 +157,32 @@ def _restore(cache, p: CapturedPass, pool: WeightPool) -> None:
 
 
 def replay(passes: list[CapturedPass], pool: WeightPool, rounds: int = DEFAULT_ROUNDS,
-           tick: Callable[[], None] = lambda: None, seed: int = 0) -> list[CapturedPass]:
+           tick: Callable[[], None] = lambda: None, seed: int = 0,
+           groups: list[list[CapturedPass]] = ()) -> list[CapturedPass]:
     """Time every pass ``rounds`` times, rounds interleaved; fills ``p.times``. One tick per replay.
-    Passes of different models / caches (say, controlled and decode passes) may be mixed: timing
-    them in the same rounds keeps a drift of the machine's speed from biasing one group."""
-    if not passes:
+
+    ``groups``: more passes timed in the same rounds, each group in a block of its own, shuffled
+    within (a round runs ``passes``, then each group). Passes of another model or cache (profile's
+    controlled passes) go there: timed in the same rounds, a drift of the machine's speed biases no
+    group, and in blocks, one model's passes do not run between the other's, whose weights they
+    would push out of the CPU's caches (mixed in, they slowed the decode passes 3-5 %, a cost no run
+    pays: docs/performance/calibration.md)."""
+    blocks = [list(g) for g in (passes, *groups) if g]
+    if not blocks:
         return passes
-    capacity = max(p.start + len(p.tokens) for p in passes)
-    scratch = passes[0].model.new_cache(capacity)  # replays write here, never into a captured KV
+    everything = [p for block in blocks for p in block]
+    capacity = max(p.start + len(p.tokens) for p in everything)
+    scratch = everything[0].model.new_cache(capacity)  # replays write here, never into a captured KV
     rng = random.Random(seed)
-    order = list(range(len(passes)))
     for _ in range(rounds):
-        rng.shuffle(order)
-        for i in order:
-            p = passes[i]
+        order = []
+        for block in blocks:
+            shuffled = list(block)
+            rng.shuffle(shuffled)
+            order += shuffled
+        for p in order:
             cache = p.model.experts
-            _restore(cache, p, pool)
+            restore(cache, p, pool)
             scratch.copy_prefix(p.kv, p.start)
             stats = cache.stats["replay"]
             misses, hits = stats.misses, stats.hits
@@ -160,7 +198,7 @@ def replay(passes: list[CapturedPass], pool: WeightPool, rounds: int = DEFAULT_R
                 raise RuntimeError(f"replay of a {len(p.tokens)}-token pass missed/hit {stats.misses - misses}/"
                                    f"{stats.hits - hits} experts, the original {p.n_missing}/{p.n_resident}")
             tick()
-    for cache in {id(p.model.experts): p.model.experts for p in passes}.values():
+    for cache in {id(p.model.experts): p.model.experts for p in everything}.values():
         cache.clear()
     return passes
 

@@ -198,7 +198,8 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     assert os.path.exists(tmp_path / "tiny.samples.json")
     # no --model: validate checks the profile's own model (not the embedded one) and records its verdict
     r = calib("validate", "--profile", str(out), "-w", WORKLOAD, "--n-prompts", "4",
-              "--max-tokens", "12", "--json", "--min-r2", "-1e9", "--max-mape", "1e9", "--rounds", "3")
+              "--max-tokens", "12", "--json", "--min-r2", "-1e9", "--max-mape", "1e9", "--max-bias", "1e9",
+              "--rounds", "3")
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr
     res = json.loads(r.stdout)

@@ -113,7 +113,7 @@ def test_validate_uses_the_profiles_model_and_records_its_verdict(profile_18m, t
     one_line_error(r, 2, str(other), "model.path", "--model")
     before = load_profile(str(out)).data["validation"]
     r = calib("validate", "--profile", str(out), "--n-prompts", "2", "--max-tokens", "8", "--rounds", "1",
-              "--min-r2", "-1e9", "--max-mape", "1e9", "--json")
+              "--min-r2", "-1e9", "--max-mape", "1e9", "--max-bias", "1e9", "--json")
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr
     res = json.loads(r.stdout)
@@ -132,7 +132,7 @@ def test_validate_warns_when_the_model_is_not_the_profiles(tmp_path):
     data["device"].update(kind="cpu", offload_tier="file")
     path.write_text(json.dumps(data))
     r = calib("validate", "--profile", str(path), "--n-prompts", "2", "--max-tokens", "8", "--rounds", "1",
-              "--min-r2", "-1e9", "--max-mape", "1e9", "--json")
+              "--min-r2", "-1e9", "--max-mape", "1e9", "--max-bias", "1e9", "--json")
     assert r.returncode == 0, r.stderr
     warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "OLMoE-1B-7B" in warnings[0] and str(path) in warnings[0]
@@ -252,6 +252,7 @@ def test_export_writes_no_file_unasked(tmp_path):
     (("profile", "--device", "cpu", "--budget", "1m"), "--budget"),
     (("validate", "--profile", PRESET, "--max-mape", "nan"), "--max-mape"),
     (("validate", "--profile", PRESET, "--min-r2", "inf"), "--min-r2"),
+    (("validate", "--profile", PRESET, "--max-bias", "-1"), "--max-bias"),
     (("validate", "--profile", PRESET, "--n-prompts", "0"), "--n-prompts"),
     (("validate", "--profile", PRESET, "--model", "/nonexistent"), "--model /nonexistent"),
 ])

@@ -33,7 +33,7 @@ def _prompts(n: int) -> list[list[int]]:
 def test_replays_run_from_the_captured_cache_state_and_never_touch_the_decode_kv(loaded):
     pool = WeightPool()
     # a 25 % budget with no hot list: LFU residency changes from pass to pass
-    with decode_passes(loaded, _prompts(3), "0.25", None, SPEC, UNUSED, None, 10, pool) as passes:
+    with decode_passes(loaded, _prompts(3), "0.25", None, SPEC, UNUSED, None, 10, pool) as (passes, _):
         assert len(passes) >= 3
         assert any(p.resident for p in passes) and any(p.n_missing for p in passes)
         kv_before = {id(p.kv): [a.copy() for a in p.kv.keys + p.kv.values] for p in passes}
@@ -48,7 +48,7 @@ def test_replays_run_from_the_captured_cache_state_and_never_touch_the_decode_kv
 
 def test_a_replay_that_differs_from_its_original_raises(loaded):
     pool = WeightPool()
-    with decode_passes(loaded, _prompts(1), "0.25", None, SPEC, UNUSED, None, 6, pool) as passes:
+    with decode_passes(loaded, _prompts(1), "0.25", None, SPEC, UNUSED, None, 6, pool) as (passes, _):
         passes[0].n_missing += 1
         with pytest.raises(RuntimeError, match="replay of a"):
             replay(passes[:1], pool, rounds=1)
@@ -88,7 +88,7 @@ def test_a_pass_computes_the_same_bits_whatever_order_its_reads_land_in(loaded, 
 
 def test_profile_passes_run_without_prefetch_and_a_capture_refuses_reads_in_flight(loaded):
     pool = WeightPool()
-    with decode_passes(loaded, _prompts(2), "0.1", None, SPEC, UNUSED, None, 12, pool) as passes:
+    with decode_passes(loaded, _prompts(2), "0.1", None, SPEC, UNUSED, None, 12, pool) as (passes, _):
         cache = passes[0].model.experts
         assert cache.prefetch_stats.issued == 0 and cache.prefetching == 0
         model = passes[0].model
@@ -216,6 +216,8 @@ def test_profile_fit_weighs_controlled_passes_by_cross_validation():
 
 
 def test_validate_separates_a_machine_that_slowed_down_from_a_wrong_model():
+    """Scaled by the speed probe's ratio, a model on a machine 12 % slower scores as it did; a cost
+    it lacks stays an error at any probe ratio; without drift nothing is adjusted (raw figures only)."""
     from types import SimpleNamespace
 
     from s2moe.calib.validate_cmd import evaluate
@@ -224,12 +226,15 @@ def test_validate_separates_a_machine_that_slowed_down_from_a_wrong_model():
     rng = np.random.default_rng(6)
     X = np.column_stack([rng.integers(1, 10, 80), rng.integers(0, 30, 80), rng.integers(0, 30, 80)]).astype(float)
     truth = costs.t_base + X @ np.array([costs.t_token, costs.t_exp_miss, costs.t_exp_hit])
-    slow = evaluate(SimpleNamespace(costs=costs), _rows(X, 1.12 * truth))  # the machine got 12 % slower
+    prof = SimpleNamespace(costs=costs)
+    slow = evaluate(prof, _rows(X, 1.12 * truth), probe_ratio=1.12)  # the machine got 12 % slower
     assert slow["mape_percent"] > 9 and slow["residual_percent_p50"] > 9
-    assert slow["drift_adjusted"]["speed_factor"] == pytest.approx(1.12, abs=1e-3)
+    assert slow["fit_ratio"] == pytest.approx(1.12, abs=1e-3)
+    assert slow["drift_adjusted"]["probe_ratio"] == pytest.approx(1.12)
     assert slow["drift_adjusted"]["mape_percent"] < 0.01 and slow["drift_adjusted"]["r2"] > 0.9999
+    assert "drift_adjusted" not in evaluate(prof, _rows(X, 1.12 * truth))  # no drift seen: raw only
     wrong = truth + 6e-3 * (X[:, 0] > 5)  # a cost the model lacks: no speed factor explains it
-    assert evaluate(SimpleNamespace(costs=costs), _rows(X, wrong))["drift_adjusted"]["mape_percent"] > 3
+    assert evaluate(prof, _rows(X, wrong), probe_ratio=1.0)["drift_adjusted"]["mape_percent"] > 3
 
 
 def test_noise_ceiling_follows_the_repeat_noise():

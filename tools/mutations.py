@@ -381,6 +381,26 @@ CORE: list[Mutation] = [
     Mutation("ar-builds-draft-head", SPEC, "if settings.draft_vocab and method.admit != \"none\" else None",
              "if settings.draft_vocab else None", ["tests/test_draft_head.py", "-k", "ar_builds"],
              "AR (as bench runs it) builds a draft head its memory plan has no room for"),
+    # calibration: replays read as runs read; validate tells drift from model error (speed probe)
+    Mutation("pool-holds-read-buffers", "calib/replay.py", "            self.weights[key] = detached(w)",
+             "            self.weights[key] = w", ["tests/test_speed_probe.py", "-k", "read_buffers"],
+             "replays keep the store's read buffers checked out, so every read maps fresh memory"),
+    Mutation("probe-never-drift", "calib/speed_probe.py", "    drift = beyond(ratio)\n", "    drift = False\n",
+             ["tests/test_speed_probe.py", "-k", "drift"], "a probe that never reports drift"),
+    Mutation("every-bias-is-drift", "calib/speed_probe.py",
+             'else ("model error" if beyond(unexplained) else "drift")', 'else "drift"',
+             ["tests/test_speed_probe.py", "-k", "model_error or drift_only"],
+             "any bias called drift, as the fit's own median once was"),
+    Mutation("adjusted-by-the-fits-own-error", "calib/validate_cmd.py",
+             'result = evaluate(prof, samples, probe["ratio"] if probe["drift"] else None)',
+             'result = evaluate(prof, samples, raw["fit_ratio"])',
+             ["tests/test_speed_probe.py", "-k", "model_error"],
+             "the model scored after dividing out its own bias, with no drift seen"),
+    Mutation("bias-bar-ignored", "calib/validate_cmd.py",
+             '            and abs(result["residual_percent_p50"]) <= bar["bias_percent"])', "            )",
+             ["tests/test_speed_probe.py", "-k", "bars"], "a biased model passes on R² and MAPE alone"),
+    Mutation("probe-all-resident", "calib/speed_probe.py", "if i % 4]", "]",
+             ["tests/test_speed_probe.py", "-k", "cost_left_out"], "a reference pass that never reads"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND + PREFETCH

@@ -1,0 +1,167 @@
+"""Validation tells drift from model error: the speed probe, and replays that read as runs read.
+
+The end-to-end cases run profile then validate on the tiny model behind an emulated slow tier
+(2 ms a request), so a pass's time is mostly the tier's waits and the verdicts do not hang on
+this machine's noise."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+import numpy as np
+import pytest
+
+from s2moe.calib import speed_probe
+from s2moe.calib.replay import WeightPool
+from s2moe.calib.validate_cmd import Bars, bias_by_group, run_validation
+
+from test_calib import WORKLOAD, calib_model  # noqa: F401  (the fixture)
+
+LATENCY_US = 2000.0
+
+
+def summary(ms: float, se: float = 1.0) -> dict:
+    return {"ms": ms, "se_percent": se}
+
+
+@pytest.mark.parametrize("probe_now, fit_ratio, drift, verdict", [
+    (10.0, 1.02, False, "agrees"),  # nothing moved
+    (10.3, 0.97, False, "agrees"),  # both within the threshold
+    (10.0, 1.40, False, "model error"),  # the passes are slower, the machine is not
+    (14.0, 1.40, True, "drift"),  # the machine is as much slower as the passes
+    (14.0, 1.00, True, "agrees"),  # the machine moved, the fit did not: nothing to explain
+    (14.0, 2.00, True, "model error"),  # drift explains part of the bias only
+    (7.0, 0.70, True, "drift"),  # faster, both
+])
+def test_probe_calls_a_bias_drift_only_where_it_moved_as_much(probe_now, fit_ratio, drift, verdict):
+    got = speed_probe.compare(summary(10.0), summary(probe_now), fit_ratio)
+    assert got["drift"] is drift and got["verdict"] == verdict
+    assert got["ratio"] == pytest.approx(probe_now / 10.0)
+
+
+def test_probe_noise_widens_the_drift_threshold():
+    calm = speed_probe.compare(summary(10.0, 0.5), summary(10.8, 0.5), 1.08)
+    noisy = speed_probe.compare(summary(10.0, 4.0), summary(10.8, 4.0), 1.08)
+    assert calm["drift"] and calm["verdict"] == "drift"
+    assert not noisy["drift"] and noisy["threshold_percent"] > 15  # 3 standard errors of two noisy probes
+    assert speed_probe.compare(None, summary(10.0), 1.5)["verdict"] == "unknown"  # an older profile
+
+
+def test_probe_summary_is_the_median_of_the_copies_fastest():
+    class P:
+        def __init__(self, times):
+            self.times, self.n_missing, self.n_resident = times, 3, 5
+
+        @property
+        def seconds(self):
+            return min(self.times)
+
+    got = speed_probe.summarize([P([0.004, 0.003]), P([0.002, 0.005]), P([0.010, 0.030])])
+    assert got["ms"] == pytest.approx(3.0) and got["copies"] == 3 and got["se_percent"] > 0
+    assert speed_probe.summarize([]) is None
+
+
+def test_bias_by_group_splits_batches_and_misses():
+    samples = [{"n_tokens": n, "n_missing": m} for n, m in [(1, 0), (3, 2), (3, 12), (6, 12)]]
+    rows = {r["group"]: r for r in bias_by_group(samples, np.array([0.0, 0.1, 0.2, 0.4]))}
+    assert rows["1 token"]["n"] == 1 and rows["2-4 tokens"]["median_residual_percent"] == pytest.approx(15.0)
+    assert rows["9+ misses"]["n"] == 2 and rows["9+ misses"]["median_residual_percent"] == pytest.approx(30.0)
+    assert rows["no misses"]["median_residual_percent"] == 0.0
+
+
+def test_pooled_weights_give_the_read_buffers_back(calib_model):  # noqa: F811
+    """A replay's pool holds copies: the store's read buffers go back to its pool, as in a run.
+    (Holding the buffers themselves made every replay's reads map fresh memory: 1.2-1.8x slower.)"""
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.offload.store import ExpertStore
+
+    loaded = load_model(calib_model)
+    store = ExpertStore(loaded, direct=True, threads=1, pool_bytes=64 << 20)
+    bufs = store.reader.pool
+    pool = WeightPool()
+    originals = {(0, e): store.read(0, e) for e in range(3)}
+    assert bufs is not None and bufs.outstanding > 0
+    for key, w in originals.items():
+        pool.offer(key, w)
+    copies = {k: (pool.weights[k].gate.data.copy(), pool.weights[k].down.data.copy()) for k in originals}
+    for key, w in originals.items():  # the copies hold the same bytes, in memory of their own
+        assert np.array_equal(copies[key][0], w.gate.data) and np.array_equal(copies[key][1], w.down.data)
+        assert not np.shares_memory(pool.weights[key].gate.data, w.gate.data)
+        assert pool.weights[key].nbytes == w.nbytes  # counted as the run counts it
+    del originals, w
+    gc.collect()
+    assert bufs.outstanding == 0  # every buffer is back for the next read to reuse
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def slow_tier_profile(calib_model, tmp_path_factory):  # noqa: F811
+    from s2moe.calib.profile_cmd import run_profile
+    from s2moe.runtime.profile import save_profile
+
+    path = str(tmp_path_factory.mktemp("probe") / "slow.json")
+    data = run_profile(calib_model, "cpu", "0.5", WORKLOAD, path, None, 20, 50.0, LATENCY_US, 1, 4,
+                       rounds=3, n_prompts=4)
+    save_profile(path, data)
+    return path
+
+
+def _validate(path: str) -> dict:
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.model.tokenizer import load_tokenizer
+    from s2moe.runtime.profile import load_profile
+
+    prof = load_profile(path)
+    loaded = load_model(prof.data["model"]["path"])
+    return run_validation(prof, loaded, load_tokenizer(loaded), WORKLOAD, 4, 12, 3, Bars(), True)[0]
+
+
+def test_a_cost_left_out_of_the_fit_is_model_error_not_drift(slow_tier_profile, monkeypatch):
+    """Validate's gated passes pay 6 ms more than profile's did (say, gating's own work); the
+    reference pass (plain routing) does not: the probe sees no drift and the bias is the model's."""
+    from s2moe.runtime.model.forward import MoEModel
+
+    probe = json.load(open(slow_tier_profile))["cost_model"]["fit"]["probe"]
+    assert probe["n_missing"] > 0 and probe["n_resident"] > 0 and probe["ms"] > LATENCY_US / 1e3
+    original = MoEModel._pass
+
+    def gated_costs_more(self, tokens, kv, start, policy, *args, **kwargs):
+        if policy.selection_bias is not None:
+            time.sleep(0.006)
+        return original(self, tokens, kv, start, policy, *args, **kwargs)
+
+    monkeypatch.setattr(MoEModel, "_pass", gated_costs_more)
+    got = _validate(slow_tier_profile)
+    assert got["fit_ratio"] > 1.3, got["fit_ratio"]  # the passes did pay it
+    assert got["probe"]["drift"] is False and got["probe"]["verdict"] == "model error", got["probe"]
+    assert not got["passed"] and "drift_adjusted" not in got  # raw figures only: nothing to adjust by
+
+
+def test_a_slower_tier_between_profile_and_validate_is_drift(slow_tier_profile, tmp_path):
+    """The tier's latency tripled after profile: the probe, which reads, moves with the passes."""
+    data = json.load(open(slow_tier_profile))
+    data["offload"]["emulation"]["latency_us"] = 3 * LATENCY_US
+    slower = tmp_path / "slower.json"
+    slower.write_text(json.dumps(data))
+    got = _validate(str(slower))
+    assert got["probe"]["drift"] is True and got["probe"]["ratio"] > 1.5, got["probe"]
+    assert got["fit_ratio"] > 1.3
+    assert got["drift_adjusted"]["probe_ratio"] == got["probe"]["ratio"]  # labelled with the probe's ratio
+
+
+def test_default_bars_meet_the_noise_and_given_bars_stay():
+    from s2moe.calib.validate_cmd import meets
+
+    noisy = {"noise_ceiling_r2": 0.93, "noise_mape_floor_percent": 8.0}
+    bar = Bars().within_noise(noisy)  # a perfect model scores about the ceiling and the floor
+    assert bar["r2"] == pytest.approx(0.88) and bar["mape_percent"] == pytest.approx(12.0) and bar["within_noise"]
+    calm = Bars().within_noise({"noise_ceiling_r2": 1.0, "noise_mape_floor_percent": 1.0})  # no noise
+    assert (calm["r2"], calm["mape_percent"], calm["within_noise"]) == (0.95, 5.0, False)
+    asked = Bars(0.99, 2.0, 3.0).within_noise(noisy)  # a bar given on the command line is kept
+    assert (asked["r2"], asked["mape_percent"], asked["bias_percent"]) == (0.99, 2.0, 3.0)
+    good = {"r2": 0.9, "mape_percent": 9.0, "residual_percent_p50": 1.0}
+    assert meets(good, bar)
+    assert not meets({**good, "residual_percent_p50": -6.0}, bar)  # a bias fails whatever the noise
+    assert not meets({**good, "r2": 0.85}, bar) and not meets({**good, "mape_percent": 13.0}, bar)
