@@ -292,9 +292,9 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                                kv_positions=kv_positions, batch=pass_batch) as (decoded, engine_model):
                 # the reference pass validate times too: how far the machine moves in between
                 probes = speed_probe.reference_passes(engine_model, pool)
-                t = progress.add_task(f"replays ({rounds} rounds)",
-                                      total=rounds * (len(controlled) + len(decoded) + len(probes)))
-                replay_mod.replay(decoded + probes, pool, rounds, lambda: progress.advance(t), groups=[controlled])
+                timed = decoded + speed_probe.every_pass(probes)
+                t = progress.add_task(f"replays ({rounds} rounds)", total=rounds * (len(controlled) + len(timed)))
+                replay_mod.replay(timed, pool, rounds, lambda: progress.advance(t), groups=[controlled])
             ver = ver if ver is not None else [p.sample() for p in controlled]
             in_situ = in_situ if in_situ is not None else [p.sample() for p in decoded]
             keep("verification", ver)

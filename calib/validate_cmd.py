@@ -66,9 +66,9 @@ def measured_passes(profile, loaded, tok, workload: str | None, n_prompts: int, 
                        kv_positions=plan_mod.kv_positions(ctx, draft_cap), batch=plan_mod.batch(ctx, draft_cap),
                        budget_from=f"{where}: budget.spec") as (passes, engine_model):
         probes = speed_probe.reference_passes(engine_model, pool)
-        task = progress.add_task(f"replays ({rounds} rounds)", total=rounds * (len(passes) + len(probes))) \
-            if progress else None
-        replay(passes + probes, pool, rounds, (lambda: progress.advance(task)) if progress else (lambda: None))
+        timed = passes + speed_probe.every_pass(probes)
+        task = progress.add_task(f"replays ({rounds} rounds)", total=rounds * len(timed)) if progress else None
+        replay(timed, pool, rounds, (lambda: progress.advance(task)) if progress else (lambda: None))
     return passes, speed_probe.summarize(probes)
 
 
@@ -158,10 +158,10 @@ def bias_by_group(samples: list, resid: np.ndarray) -> list[dict]:
     return rows
 
 
-def evaluate(profile, samples: list, probe_ratio: float | None = None) -> dict:
+def evaluate(profile, samples: list, drift=None, drift_label: float | None = None) -> dict:
     """Predictions of the profile's cost model against the measured seconds: the raw figures, the
-    bias per group, and, given the speed probe's ratio (the machine's speed now over at profile:
-    only where the probe saw drift), the model scaled by that ratio."""
+    bias per group, and, given the drift the speed probe expects (per pass, or one ratio; only
+    where it saw drift), the model scaled by it (labelled with ``drift_label``, the median)."""
     model = _model(profile.costs)
     X = np.array([[s["n_tokens"], s["n_missing"], s["n_resident"]] for s in samples], dtype=np.float64)
     y = np.array([s["seconds"] for s in samples])
@@ -176,11 +176,17 @@ def evaluate(profile, samples: list, probe_ratio: float | None = None) -> dict:
         "bias_by_group": bias_by_group(samples, ratio - 1),
         "predicted": predicted.tolist(), "measured": y.tolist(),
     }
-    if probe_ratio is not None:
-        drifted = _model(profile.costs, probe_ratio)
-        out["drift_adjusted"] = {"probe_ratio": round(probe_ratio, 4), "r2": round(drifted.score(X, y), 5),
-                                 "mape_percent": round(drifted.mape(X, y) * 100, 3)}
+    if drift is not None:
+        adjusted = predicted * np.asarray(drift, dtype=np.float64)
+        label = float(np.median(drift)) if drift_label is None else drift_label
+        out["drift_adjusted"] = {"probe_ratio": round(label, 4), "r2": round(_r2(y, adjusted), 5),
+                                 "mape_percent": round(float(np.mean(np.abs(y - adjusted) / y)) * 100, 3)}
     return out
+
+
+def _r2(y: np.ndarray, predicted: np.ndarray) -> float:
+    total = ((y - y.mean()) ** 2).sum()
+    return float(1 - ((y - predicted) ** 2).sum() / total) if total > 0 else 0.0
 
 
 def plot(result: dict, path: str) -> None:
@@ -314,25 +320,29 @@ def run_validation(prof, loaded, tok, workload, n_prompts: int, tokens: int, rou
         raise UsageError("too few verification passes to validate; raise --n-prompts or --max-tokens")
     raw = evaluate(prof, samples)
     at_profile = (prof.data["cost_model"].get("fit") or {}).get("probe") if same else None
-    probe = speed_probe.compare(at_profile, probe_now, raw["fit_ratio"])
-    result = evaluate(prof, samples, probe["ratio"] if probe["drift"] else None)
+    probe = speed_probe.compare(at_profile, probe_now, raw["fit_ratio"], prof.costs, samples)
+    scale = probe.pop("scale", None)
+    result = evaluate(prof, samples, scale if probe["drift"] else None, probe["ratio"])
     single = evaluate(prof, single_shot_samples(passes))
     summary = {k: v for k, v in result.items() if k not in ("predicted", "measured")}
     timing = {"estimator": "fastest of interleaved replays", **spread(passes)}
     bar = bars.within_noise(timing)
-    summary.update(passed=meets(result, bar), bars=bar, min_r2=bar["r2"], max_mape_percent=bar["mape_percent"], probe=probe,
-                   timing=timing, single_shot={"r2": single["r2"], "mape_percent": single["mape_percent"]})
+    summary.update(passed=meets(result, bar), bars=bar, min_r2=bar["r2"], max_mape_percent=bar["mape_percent"],
+                   probe=probe, timing=timing, single_shot={"r2": single["r2"], "mape_percent": single["mape_percent"]})
     return summary, result
 
 
 def failure_hint(probe: dict) -> str:
     """What a failed validation most likely means, from the speed probe's verdict."""
     if probe["verdict"] == "drift":
-        return (f"the machine ran ×{probe['ratio']} its speed at profile time (speed probe): re-run "
-                "s2moe-calib profile when it is steady")
+        return (f"the machine ran ×{probe['ratio']} its speed at profile time for these passes (speed "
+                "probe): re-run s2moe-calib profile when it is steady")
     if probe["verdict"] == "model error":
-        return (f"the passes ran ×{probe['fit_ratio']} the model's prediction while the speed probe moved "
+        return (f"the passes ran ×{probe['fit_ratio']} the model's prediction while the speed probe expected "
                 f"×{probe['ratio']}: the cost model misses a cost these passes pay (see the bias by group)")
+    if probe["drift"]:  # the machine moved, though less than the bias needs to be called drift
+        return (f"the speed probe moved (compute ×{probe['compute_ratio']}, reads ×{probe['reads_ratio']}): "
+                "re-run s2moe-calib profile when the machine is steady, then validate right after")
     return "re-run s2moe-calib profile"
 
 
@@ -349,10 +359,11 @@ def result_table(summary: dict, profile_path: str, rounds: int) -> Table:
     t.add_row("measured / predicted (median)", f"×{summary['fit_ratio']}")
     if probe["ratio"] is None:
         t.add_row("speed probe, now / at profile", "n/a (" + ("the profile has no probe: re-run profile"
-                                                               if probe["validate_ms"] else "another model") + ")")
+                                                               if probe["now"] else "another model") + ")")
     else:
-        t.add_row("speed probe, now / at profile", f"×{probe['ratio']} ({probe['validate_ms']} / "
-                  f"{probe['profile_ms']} ms; drift beyond ±{probe['threshold_percent']} %): {probe['verdict']}")
+        t.add_row("speed probe, now / at profile", f"compute ×{probe['compute_ratio']}, reads ×{probe['reads_ratio']}")
+        t.add_row("drift the passes expect", f"×{probe['ratio']} (beyond ±{probe['threshold_percent']} %): "
+                                             f"{probe['verdict']}")
     d = summary.get("drift_adjusted")
     if d:
         t.add_row(f"R² / MAPE % adjusted by the probe's ×{d['probe_ratio']}", f"{d['r2']} / {d['mape_percent']}")

@@ -227,14 +227,14 @@ def test_validate_separates_a_machine_that_slowed_down_from_a_wrong_model():
     X = np.column_stack([rng.integers(1, 10, 80), rng.integers(0, 30, 80), rng.integers(0, 30, 80)]).astype(float)
     truth = costs.t_base + X @ np.array([costs.t_token, costs.t_exp_miss, costs.t_exp_hit])
     prof = SimpleNamespace(costs=costs)
-    slow = evaluate(prof, _rows(X, 1.12 * truth), probe_ratio=1.12)  # the machine got 12 % slower
+    slow = evaluate(prof, _rows(X, 1.12 * truth), 1.12)  # the machine got 12 % slower
     assert slow["mape_percent"] > 9 and slow["residual_percent_p50"] > 9
     assert slow["fit_ratio"] == pytest.approx(1.12, abs=1e-3)
     assert slow["drift_adjusted"]["probe_ratio"] == pytest.approx(1.12)
     assert slow["drift_adjusted"]["mape_percent"] < 0.01 and slow["drift_adjusted"]["r2"] > 0.9999
     assert "drift_adjusted" not in evaluate(prof, _rows(X, 1.12 * truth))  # no drift seen: raw only
     wrong = truth + 6e-3 * (X[:, 0] > 5)  # a cost the model lacks: no speed factor explains it
-    assert evaluate(prof, _rows(X, wrong), probe_ratio=1.0)["drift_adjusted"]["mape_percent"] > 3
+    assert evaluate(prof, _rows(X, wrong), 1.0)["drift_adjusted"]["mape_percent"] > 3
 
 
 def test_noise_ceiling_follows_the_repeat_noise():

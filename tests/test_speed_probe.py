@@ -16,14 +16,25 @@ import pytest
 from s2moe.calib import speed_probe
 from s2moe.calib.replay import WeightPool
 from s2moe.calib.validate_cmd import Bars, bias_by_group, run_validation
+from s2moe.runtime.decoding.cost_model import CostConstants
 
 from test_calib import WORKLOAD, calib_model  # noqa: F401  (the fixture)
 
 LATENCY_US = 2000.0
 
 
-def summary(ms: float, se: float = 1.0) -> dict:
-    return {"ms": ms, "se_percent": se}
+COSTS = CostConstants(t_ar=0.02, c_draft=0.002, t_exp_miss=1e-3, t_exp_hit=1e-4, t_base=1e-3, t_token=1e-4)
+PASSES = [{"n_tokens": 4, "n_missing": m, "n_resident": 12 - m} for m in (0, 2, 4, 8, 12)]
+
+
+def summary(compute_ms: float, reads_ms: float | None = None, se: float = 1.0) -> dict:
+    return {"compute": {"ms": compute_ms, "se_percent": se, "n_tokens": 4, "n_missing": 0, "n_resident": 12},
+            "reads": {"ms": 2 * compute_ms if reads_ms is None else reads_ms, "se_percent": se, "n_tokens": 4,
+                      "n_missing": 12, "n_resident": 0}}
+
+
+def compare(now: dict, fit_ratio: float, at: dict | None = None) -> dict:
+    return speed_probe.compare(summary(10.0) if at is None else at, now, fit_ratio, COSTS, PASSES)
 
 
 @pytest.mark.parametrize("probe_now, fit_ratio, drift, verdict", [
@@ -34,16 +45,35 @@ def summary(ms: float, se: float = 1.0) -> dict:
     (14.0, 1.00, True, "agrees"),  # the machine moved, the fit did not: nothing to explain
     (14.0, 2.00, True, "model error"),  # drift explains part of the bias only
     (7.0, 0.70, True, "drift"),  # faster, both
+    (10.49, 1.062, True, "drift"),  # the probe moved 4.9 %, under the threshold, and explains a 6.2 % bias
+    (10.1, 1.055, False, "model error"),  # a bias just past the threshold, the probe barely moved
+    (9.4, 1.08, True, "model error"),  # the probe moved the other way
 ])
 def test_probe_calls_a_bias_drift_only_where_it_moved_as_much(probe_now, fit_ratio, drift, verdict):
-    got = speed_probe.compare(summary(10.0), summary(probe_now), fit_ratio)
+    got = compare(summary(probe_now), fit_ratio)
     assert got["drift"] is drift and got["verdict"] == verdict
-    assert got["ratio"] == pytest.approx(probe_now / 10.0)
+    assert got["ratio"] == pytest.approx(probe_now / 10.0, abs=1e-4)
+
+
+def test_each_pass_expects_the_drift_of_its_own_mix():
+    """The disk slowed (reads ×1.5), compute did not: a pass of misses only expects ×1.5, a pass
+    with none ×1.0, and one between in proportion to its predicted miss time."""
+    ratios, scale = speed_probe.expected_ratios(summary(10.0), summary(10.0, 30.0), COSTS, PASSES)
+    assert ratios == {"compute": 1.0, "reads": 1.5}
+    assert scale[0] == pytest.approx(1.0) and scale[-1] == pytest.approx(1.5)
+    assert np.all(np.diff(scale) > 0)  # more misses, more of the reads' drift
+    as_expected = float(np.median(scale))  # the passes as slow as their own mixes say: drift
+    slow_disk = compare(summary(10.0, 30.0), as_expected)
+    assert slow_disk["verdict"] == "drift" and slow_disk["ratio"] == pytest.approx(as_expected, abs=1e-4)
+    assert compare(summary(10.0, 30.0), 1.0)["verdict"] == "agrees"  # a slower disk the passes did not feel
+    slow_cpu = compare(summary(15.0, 20.0), as_expected)  # compute slowed instead: the same bias is not explained
+    assert (slow_cpu["compute_ratio"], slow_cpu["reads_ratio"]) == (1.5, 1.0)
+    assert slow_cpu["ratio"] < as_expected
 
 
 def test_probe_noise_widens_the_drift_threshold():
-    calm = speed_probe.compare(summary(10.0, 0.5), summary(10.8, 0.5), 1.08)
-    noisy = speed_probe.compare(summary(10.0, 4.0), summary(10.8, 4.0), 1.08)
+    calm = compare(summary(10.8, se=0.5), 1.08, summary(10.0, se=0.5))
+    noisy = compare(summary(10.8, se=4.0), 1.08, summary(10.0, se=4.0))
     assert calm["drift"] and calm["verdict"] == "drift"
     assert not noisy["drift"] and noisy["threshold_percent"] > 15  # 3 standard errors of two noisy probes
     assert speed_probe.compare(None, summary(10.0), 1.5)["verdict"] == "unknown"  # an older profile
@@ -51,16 +81,18 @@ def test_probe_noise_widens_the_drift_threshold():
 
 def test_probe_summary_is_the_median_of_the_copies_fastest():
     class P:
-        def __init__(self, times):
-            self.times, self.n_missing, self.n_resident = times, 3, 5
+        def __init__(self, times, missing):
+            self.times, self.n_missing, self.n_resident, self.tokens = times, missing, 5, [1, 2, 3, 4]
 
         @property
         def seconds(self):
             return min(self.times)
 
-    got = speed_probe.summarize([P([0.004, 0.003]), P([0.002, 0.005]), P([0.010, 0.030])])
-    assert got["ms"] == pytest.approx(3.0) and got["copies"] == 3 and got["se_percent"] > 0
-    assert speed_probe.summarize([]) is None
+    got = speed_probe.summarize({"compute": [P([0.004, 0.003], 0), P([0.002, 0.005], 0), P([0.010, 0.030], 0)],
+                                 "reads": [P([0.02], 7)]})
+    assert got["compute"]["ms"] == pytest.approx(3.0) and got["compute"]["copies"] == 3
+    assert got["compute"]["se_percent"] > 0 and got["reads"]["n_missing"] == 7 and got["reads"]["n_tokens"] == 4
+    assert speed_probe.summarize({"compute": [], "reads": []}) is None
 
 
 def test_bias_by_group_splits_batches_and_misses():
@@ -124,7 +156,8 @@ def test_a_cost_left_out_of_the_fit_is_model_error_not_drift(slow_tier_profile, 
     from s2moe.runtime.model.forward import MoEModel
 
     probe = json.load(open(slow_tier_profile))["cost_model"]["fit"]["probe"]
-    assert probe["n_missing"] > 0 and probe["n_resident"] > 0 and probe["ms"] > LATENCY_US / 1e3
+    reads, compute = probe["reads"], probe["compute"]  # one pass that reads, one that (mostly) computes
+    assert reads["n_missing"] > compute["n_missing"] and reads["ms"] > compute["ms"] + LATENCY_US / 1e3
     original = MoEModel._pass
 
     def gated_costs_more(self, tokens, kv, start, policy, *args, **kwargs):
@@ -135,7 +168,7 @@ def test_a_cost_left_out_of_the_fit_is_model_error_not_drift(slow_tier_profile, 
     monkeypatch.setattr(MoEModel, "_pass", gated_costs_more)
     got = _validate(slow_tier_profile)
     assert got["fit_ratio"] > 1.3, got["fit_ratio"]  # the passes did pay it
-    assert got["probe"]["drift"] is False and got["probe"]["verdict"] == "model error", got["probe"]
+    assert got["probe"]["drift"] is False and got["probe"]["verdict"] == "model error", json.dumps(got["probe"])
     assert not got["passed"] and "drift_adjusted" not in got  # raw figures only: nothing to adjust by
 
 
