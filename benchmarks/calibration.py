@@ -8,7 +8,7 @@ machine at several budgets, and check that an emulated slow tier is recovered.
         validate, three times in a row per budget, as a user would run them (default flags)
 
 Runs the real CLIs (`s2moe-calib profile`, `s2moe-calib validate --json`) so the figures are what a
-user gets. Profiles go to docs/results/profiles/.
+user gets. Profiles go to docs/results/profiles/ (``--profiles``).
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ def main() -> None:
     ap.add_argument("--rounds", default=None, help="interleaved replays per timed pass (default: the CLI's)")
     ap.add_argument("--no-emulated", action="store_true", help="skip the emulated-tier check")
     ap.add_argument("--repeat", type=int, default=1, help="profile + validate this many times in a row per budget")
+    ap.add_argument("--profiles", default="docs/results/profiles", help="where the profiles are written")
     args = ap.parse_args()
     model = ["--model", args.model] if args.model else []
     rounds = ["--rounds", args.rounds] if args.rounds else []
-    folder = os.path.join(ROOT, "docs", "results", "profiles")
+    folder = os.path.join(ROOT, args.profiles)
     os.makedirs(folder, exist_ok=True)
     rows = []
     for budget, run in [(b, i) for b in args.budgets.split(",") for i in range(args.repeat)]:
