@@ -3,8 +3,8 @@
 Validate's passes are predicted by constants `profile` measured earlier. When they come out slower,
 either the machine got slower in between (drift) or the cost model misses a cost real passes pay
 (model error). One ratio cannot tell them apart; the probe's can. Both commands build the same two
-passes on the run's own engine, cache and budget (fixed token ids after a fixed context): one with
-every expert it needs resident ("compute"), one with none ("reads"). Copies of each are replayed
+passes on the run's own engine, cache and store (fixed token ids after a fixed context): one with
+every expert it needs resident, the budget lifted for it ("compute"), one with none ("reads"). Copies of each are replayed
 in the same interleaved rounds as the commands' own passes, so they are measured as those are.
 
 Compute and the slow tier drift apart (a busy neighbour slows the one, a busy disk the other: a
@@ -23,7 +23,7 @@ import numpy as np
 
 from s2moe.runtime.model.routing import TARGET
 
-from .replay import CapturedPass, WeightPool, restore
+from .replay import CapturedPass, WeightPool, budget_lifted, restore
 
 CONTEXT = 24  # tokens before the pass (their KV is attended to, as a verification's prefix is)
 TOKENS = 4  # the pass's batch: a typical verification
@@ -64,20 +64,23 @@ def _reference_passes(model, pool, copies, ctx, batch, kv) -> dict[str, list[Cap
         _, rec = model.forward(batch, kv, start=len(ctx), logits="last")
         needed = sorted(k for k in rec.unique_experts() if k not in cache.pinned)
     out = {}
+    # compute: every expert resident, the budget lifted for the pass (a small budget cannot hold a
+    # whole pass's experts: at 10 % its "resident" pass read all 35); reads: none resident
     for kind, wanted in (("compute", needed), ("reads", [])):
-        cache.clear()
-        with cache.in_phase("probe-setup"):
-            by_layer: dict[int, list[int]] = {}
-            for L, e in wanted:
-                by_layer.setdefault(L, []).append(e)
-            for L, experts in sorted(by_layer.items()):
-                cache.get(L, experts)
-        out[kind] = _captured(model, batch, ctx, kv, pool, copies)
-    cache.clear()
+        with budget_lifted(cache, kind == "compute"):
+            cache.clear()
+            with cache.in_phase("probe-setup"):
+                by_layer: dict[int, list[int]] = {}
+                for L, e in wanted:
+                    by_layer.setdefault(L, []).append(e)
+                for L, experts in sorted(by_layer.items()):
+                    cache.get(L, experts)
+            out[kind] = _captured(model, batch, ctx, kv, pool, copies, unbudgeted=kind == "compute")
+            cache.clear()
     return out
 
 
-def _captured(model, batch, ctx, kv, pool: WeightPool, copies: int) -> list[CapturedPass]:
+def _captured(model, batch, ctx, kv, pool: WeightPool, copies: int, unbudgeted: bool) -> list[CapturedPass]:
     """Copies of the pass from the cache's present state, with the miss and hit counts a replay
     must reproduce (from one untimed run)."""
     cache = model.experts
@@ -95,7 +98,7 @@ def _captured(model, batch, ctx, kv, pool: WeightPool, copies: int) -> list[Capt
         model.forward(batch, scratch, start=len(ctx), **kwargs)
     counts = stats.misses - misses, stats.hits - hits
     return [CapturedPass(model, batch, len(ctx), kv, resident, *counts, kwargs,
-                         policy_state=copy.deepcopy(policy_state)) for _ in range(copies)]
+                         policy_state=copy.deepcopy(policy_state), unbudgeted=unbudgeted) for _ in range(copies)]
 
 
 def every_pass(probes: dict[str, list[CapturedPass]]) -> list[CapturedPass]:
@@ -146,7 +149,7 @@ def compare(at_profile: dict | None, now: dict | None, fit_ratio: float, costs=N
 
     The threshold: ``MIN_DRIFT``, or 3 standard errors of the probes where that is more.
     ``ratio``: the drift the passes expect (median over them, `expected_ratios`); ``scale``: per
-    pass. ``verdict``: "agrees" where the fit is off by no more than the threshold; otherwise
+    pass. ``verdict``: "agrees" where the fit is off by no more than ``MIN_DRIFT``; otherwise
     "drift" where the expected drift moved the same way by at least half as much and explains
     the fit's ratio to within the threshold, else "model error"; "unknown" without a probe on both
     sides. ``drift``: a probe moved beyond the threshold, or the drift explains the bias (then
@@ -161,7 +164,7 @@ def compare(at_profile: dict | None, now: dict | None, fit_ratio: float, costs=N
     tol = np.log1p(threshold)
     bias, move = np.log(fit_ratio), np.log(ratio)
     explains = abs(bias - move) <= tol and move * bias > 0 and abs(move) >= abs(bias) / 2
-    verdict = "agrees" if abs(bias) <= tol else ("drift" if explains else "model error")
+    verdict = "agrees" if abs(bias) <= np.log1p(MIN_DRIFT) else ("drift" if explains else "model error")
     moved = any(abs(np.log(r)) > tol for r in ratios.values())
     return {"ratio": round(ratio, 4), "compute_ratio": round(ratios["compute"], 4),
             "reads_ratio": round(ratios["reads"], 4), "drift": bool(moved or verdict == "drift"),
