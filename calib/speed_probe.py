@@ -38,9 +38,9 @@ def probe_ids(vocab_size: int) -> list[int]:
 
 
 def reference_passes(model, pool: WeightPool, copies: int = COPIES) -> dict[str, list[CapturedPass]]:
-    """``copies`` captures of each probe pass on ``model`` (its cache's budget, pinned experts and
-    store): "compute" with the experts it needs resident (as many as the budget keeps), "reads"
-    with none but the pinned ones."""
+    """``copies`` captures of each probe pass on ``model`` (its cache, pinned experts and store):
+    "compute" with every expert it needs resident (its replays lift the budget), "reads" with none
+    but the pinned ones."""
     cache = model.experts
     ids = probe_ids(model.config.vocab_size)
     ctx, batch = ids[:CONTEXT], ids[CONTEXT:]

@@ -160,7 +160,10 @@ def test_a_cost_left_out_of_the_fit_is_model_error_not_drift(slow_tier_profile, 
 
     probe = json.load(open(slow_tier_profile))["cost_model"]["fit"]["probe"]
     reads, compute = probe["reads"], probe["compute"]  # one pass that reads, one that only computes
-    assert compute["n_missing"] == 0 and 0 < reads["n_missing"] <= compute["n_resident"]
+    assert compute["n_missing"] == 0 and reads["n_missing"] > 0
+    pinned = {tuple(k) for k in json.load(open(slow_tier_profile))["hot_experts"]["gpu_experts"]}
+    assert reads["n_resident"] <= len(pinned)  # only pinned experts are hits: every other one is read
+    assert reads["n_missing"] + reads["n_resident"] == compute["n_resident"]
     assert reads["ms"] > compute["ms"] + LATENCY_US / 1e3
     original = MoEModel._pass
 

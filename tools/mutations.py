@@ -311,7 +311,7 @@ CORE: list[Mutation] = [
              "        weight = CONTROLLED_WEIGHT", ["tests/test_replay.py", "-k", "cross_validation"],
              "the controlled passes' weight not chosen by cross-validation"),
     Mutation("validate-ignores-drift", "calib/validate_cmd.py",
-             "    scale = float(np.median(y / np.maximum(model.predict(X), 1e-12)))", "    scale = 1.0",
+             "        adjusted = predicted * np.asarray(drift, dtype=np.float64)", "        adjusted = predicted",
              ["tests/test_replay.py", "-k", "slowed_down"], "validate's drift-adjusted score not adjusted"),
     Mutation("capture-ignores-prefetch", "calib/replay.py", "        if cache.prefetching:", "        if False:",
              ["tests/test_replay.py", "-k", "prefetch"], "a capture that keeps passes with reads in flight"),
