@@ -290,7 +290,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
             with decode_passes(loaded, profiling[:n_prompts] if in_situ is None else [], budget, pinned, spec, placeholder,
                                emu, 32, pool, progress, fetch_threads, arrays, tier,
                                kv_positions=kv_positions, batch=pass_batch) as (decoded, engine_model):
-                # the reference pass validate times too: how far the machine moves in between
+                # the reference passes validate times too: how far the machine moves in between
                 probes = speed_probe.reference_passes(engine_model, pool)
                 timed = decoded + speed_probe.every_pass(probes)
                 t = progress.add_task(f"replays ({rounds} rounds)", total=rounds * (len(controlled) + len(timed)))

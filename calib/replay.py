@@ -74,7 +74,7 @@ class WeightPool:
     and faulted its pages in, which a run (whose pool holds only what its cache holds) never does:
     validate's replays made 11,760 fresh maps to 126 reuses and ran 1.18x (default model, 25 %)
     to 1.78x (widened model) the fit, whose passes had mostly borrowed another store's buffers
-    (docs/performance/calibration.md, "Replays that read into fresh buffers")."""
+    (docs/performance/calibration.md, "The term: replays that read into fresh buffers")."""
 
     def __init__(self, limit_bytes: int = POOL_LIMIT_BYTES):
         self.weights: dict[Key, ExpertWeights] = {}
@@ -179,8 +179,8 @@ def replay(passes: list[CapturedPass], pool: WeightPool, rounds: int = DEFAULT_R
     within (a round runs ``passes``, then each group). Passes of another model or cache (profile's
     controlled passes) go there: timed in the same rounds, a drift of the machine's speed biases no
     group, and in blocks, one model's passes do not run between the other's, whose weights they
-    would push out of the CPU's caches (mixed in, they slowed the decode passes 3-5 %, a cost no run
-    pays: docs/performance/calibration.md)."""
+    would push out of the CPU's caches (mixed in, the decode passes ran 3-7 % slower in two runs, a
+    cost no run pays: docs/performance/calibration.md)."""
     blocks = [list(g) for g in (passes, *groups) if g]
     if not blocks:
         return passes

@@ -121,6 +121,7 @@ def updated_profile(profile_path: str, passes_path: str) -> tuple[dict, dict]:
     else:
         kept.append("C_draft (too few draft phases in the run)")
     fit = dict(c.get("fit") or {})
+    fit.pop("probe", None)  # the speed probe timed the machine the old constants came from, not the run
     fit.update({"r2": round(r2, 5), "mape_percent": round(mape * 100, 3), "n": len(controlled) + len(passes),
                 "n_controlled": len(controlled), "n_decode": len(passes),
                 "run_r2": round(model.score(X, y), 5), "run_mape_percent": round(model.mape(X, y) * 100, 3),

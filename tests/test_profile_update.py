@@ -83,6 +83,7 @@ def _umask() -> int:
 def test_update_takes_t_ar_and_c_draft_from_the_run(setup, tmp_path):
     logs = setup.logs
     prof = _copy(setup, tmp_path)
+    assert load_profile(str(prof)).data["cost_model"]["fit"]["probe"]["reads"]["ms"] > 0
     for log in (logs["ar"], logs["s2moe"]):
         r = calib("profile", "--update", str(prof), "--passes", str(log), "--json")
         assert r.returncode == 0, r.stderr
@@ -99,6 +100,7 @@ def test_update_takes_t_ar_and_c_draft_from_the_run(setup, tmp_path):
     assert c["c_draft_ms"] == pytest.approx(np.median(per_token) * 1e3, rel=1e-9)
     assert data["validation"] is None and data["provenance"]["updated"]["passes"] == logs["s2moe"].name
     assert c["fit"]["n_controlled"] == 10 and c["fit"]["n_decode"] == len(spec["verification"]) + len(spec["ar"])
+    assert "probe" not in c["fit"]  # the probe timed the machine of the old constants, not the run's
 
 
 def test_update_recovers_the_constants_of_synthetic_passes(setup, tmp_path):

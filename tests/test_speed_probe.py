@@ -175,8 +175,13 @@ def test_a_cost_left_out_of_the_fit_is_model_error_not_drift(slow_tier_profile, 
     monkeypatch.setattr(MoEModel, "_pass", gated_costs_more)
     got = _validate(slow_tier_profile)
     assert got["fit_ratio"] > 1.3, got["fit_ratio"]  # the passes did pay it
-    assert got["probe"]["drift"] is False and got["probe"]["verdict"] == "model error", json.dumps(got["probe"])
-    assert not got["passed"] and "drift_adjusted" not in got  # raw figures only: nothing to adjust by
+    # the probes did not (the tiny model's compute probe is a fraction of a millisecond and may
+    # wobble past 5 % on a busy machine, so "moved" is not asserted: what they explain is)
+    probe = got["probe"]
+    assert probe["verdict"] == "model error" and probe["ratio"] < 1.15, json.dumps(probe)
+    assert not got["passed"]
+    if "drift_adjusted" in got:  # only where a probe moved, and then scaled by the probes' drift
+        assert got["drift_adjusted"]["probe_ratio"] == probe["ratio"]
 
 
 def test_a_slower_tier_between_profile_and_validate_is_drift(slow_tier_profile, tmp_path):

@@ -406,6 +406,8 @@ CORE: list[Mutation] = [
              '    return ratio, ratio["compute"] + t * (ratio["reads"] - ratio["compute"])',
              '    return ratio, ratio["compute"] + 0 * t', ["tests/test_speed_probe.py", "-k", "own_mix"],
              "every pass expects the compute probe's drift, whatever its misses"),
+    Mutation("update-keeps-the-probe", "calib/update.py", '    fit.pop("probe", None)', "    pass",
+             ["tests/test_profile_update.py", "-k", "takes_t_ar"], "a refit from a run keeps a probe of other constants"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND + PREFETCH
