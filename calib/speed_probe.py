@@ -21,6 +21,7 @@ import copy
 
 import numpy as np
 
+from s2moe.runtime.decoding.cost_model import FEATURES, VerificationCostModel
 from s2moe.runtime.model.routing import TARGET
 
 from .replay import CapturedPass, WeightPool, budget_lifted, restore
@@ -122,12 +123,11 @@ def summarize(probes: dict[str, list[CapturedPass]]) -> dict | None:
     return out
 
 
-def _miss_share(costs, n_tokens, n_missing, n_resident) -> np.ndarray:
-    """The share of a pass's predicted time that is its misses."""
-    n_tokens, n_missing, n_resident = (np.asarray(v, dtype=np.float64) for v in (n_tokens, n_missing, n_resident))
-    misses = costs.t_exp_miss * n_missing
-    total = costs.t_base + costs.t_token * n_tokens + misses + costs.t_exp_hit * n_resident
-    return misses / np.maximum(total, 1e-12)
+def _miss_share(costs, rows: list[dict]) -> np.ndarray:
+    """The share of each pass's predicted time that is its misses."""
+    X = np.array([[r[f] for f in FEATURES] for r in rows], dtype=np.float64)
+    predicted = VerificationCostModel.from_constants(costs).predict(X)
+    return costs.t_exp_miss * X[:, FEATURES.index("n_missing")] / np.maximum(predicted, 1e-12)
 
 
 def expected_ratios(at_profile: dict, now: dict, costs, samples: list[dict]) -> tuple[dict, np.ndarray]:
@@ -135,9 +135,8 @@ def expected_ratios(at_profile: dict, now: dict, costs, samples: list[dict]) -> 
     misses expects: the compute ratio moved toward the reads ratio by its miss share, placed
     between the two probes' own shares."""
     ratio = {kind: now[kind]["ms"] / at_profile[kind]["ms"] for kind in KINDS}
-    share = {kind: float(_miss_share(costs, at_profile[kind]["n_tokens"], at_profile[kind]["n_missing"],
-                                     at_profile[kind]["n_resident"])) for kind in KINDS}
-    s = _miss_share(costs, *([x[f] for x in samples] for f in ("n_tokens", "n_missing", "n_resident")))
+    share = dict(zip(KINDS, _miss_share(costs, [at_profile[kind] for kind in KINDS])))
+    s = _miss_share(costs, samples)
     span = share["reads"] - share["compute"]
     t = np.clip((s - share["compute"]) / span, 0.0, 1.0) if span > 1e-9 else np.zeros_like(s)
     return ratio, ratio["compute"] + t * (ratio["reads"] - ratio["compute"])

@@ -128,15 +128,6 @@ def record(prof, summary: dict, model_path: str, workload: str | None) -> None:
     say(f"recorded in {prof.path} (field validation)", "dim")
 
 
-def _model(c, scale: float = 1.0):
-    from s2moe.runtime.decoding.cost_model import VerificationCostModel
-
-    model = VerificationCostModel()
-    model.intercept_ = c.t_base * scale
-    model.coef_ = np.array([c.t_token, c.t_exp_miss, c.t_exp_hit]) * scale
-    return model
-
-
 # where validate's passes differ from each other in what the cost model sees: a bias confined to
 # one group names the term the model misses (a per-pass cost shows in small batches, a read cost
 # in passes with misses)
@@ -162,13 +153,15 @@ def evaluate(profile, samples: list, drift=None, drift_label: float | None = Non
     """Predictions of the profile's cost model against the measured seconds: the raw figures, the
     bias per group, and, given the drift the speed probe expects (per pass, or one ratio; only
     where it saw drift), the model scaled by it (labelled with ``drift_label``, the median)."""
-    model = _model(profile.costs)
+    from s2moe.runtime.decoding.cost_model import VerificationCostModel, mape, r2
+
+    model = VerificationCostModel.from_constants(profile.costs)
     X = np.array([[s["n_tokens"], s["n_missing"], s["n_resident"]] for s in samples], dtype=np.float64)
     y = np.array([s["seconds"] for s in samples])
     predicted = model.predict(X)
     ratio = y / np.maximum(predicted, 1e-12)
     out = {
-        "r2": round(model.score(X, y), 5), "mape_percent": round(model.mape(X, y) * 100, 3), "n": len(samples),
+        "r2": round(r2(y, predicted), 5), "mape_percent": round(mape(y, predicted) * 100, 3), "n": len(samples),
         "residual_percent_p50": round(float(np.median(ratio - 1)) * 100, 3),
         "residual_percent_p90_abs": round(float(np.percentile(np.abs(y - predicted) / y, 90)) * 100, 3),
         "measured_ms_range": [round(float(y.min()) * 1e3, 4), round(float(y.max()) * 1e3, 4)],
@@ -179,14 +172,9 @@ def evaluate(profile, samples: list, drift=None, drift_label: float | None = Non
     if drift is not None:
         adjusted = predicted * np.asarray(drift, dtype=np.float64)
         label = float(np.median(drift)) if drift_label is None else drift_label
-        out["drift_adjusted"] = {"probe_ratio": round(label, 4), "r2": round(_r2(y, adjusted), 5),
-                                 "mape_percent": round(float(np.mean(np.abs(y - adjusted) / y)) * 100, 3)}
+        out["drift_adjusted"] = {"probe_ratio": round(label, 4), "r2": round(r2(y, adjusted), 5),
+                                 "mape_percent": round(mape(y, adjusted) * 100, 3)}
     return out
-
-
-def _r2(y: np.ndarray, predicted: np.ndarray) -> float:
-    total = ((y - y.mean()) ** 2).sum()
-    return float(1 - ((y - predicted) ** 2).sum() / total) if total > 0 else 0.0
 
 
 def plot(result: dict, path: str) -> None:

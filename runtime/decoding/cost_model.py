@@ -96,22 +96,40 @@ class VerificationCostModel:
     def predict(self, X) -> np.ndarray:
         return self._design(X) @ np.concatenate([[self.intercept_], self.coef_])
 
+    @classmethod
+    def from_constants(cls, c: CostConstants) -> "VerificationCostModel":
+        """The model a profile's constants make (validation predicts with it)."""
+        model = cls()
+        model.intercept_ = c.t_base
+        model.coef_ = np.array([c.t_token, c.t_exp_miss, c.t_exp_hit])
+        return model
+
     def score(self, X, y) -> float:
         """R² of the prediction."""
-        y = np.asarray(y, dtype=np.float64)
-        resid = y - self.predict(X)
-        total = ((y - y.mean()) ** 2).sum()
-        return float(1 - (resid ** 2).sum() / total) if total > 0 else 0.0
+        return r2(y, self.predict(X))
 
     def mape(self, X, y) -> float:
         """Mean absolute percentage error as a fraction (0.02 = 2 %)."""
-        y = np.asarray(y, dtype=np.float64)
-        return float(np.mean(np.abs(y - self.predict(X)) / np.abs(y)))
+        return mape(y, self.predict(X))
+
 
     def constants(self, t_ar: float, c_draft: float, source: str) -> CostConstants:
         t_token, t_miss, t_hit = (float(v) for v in self.coef_)
         return CostConstants(t_ar, c_draft, t_miss, t_hit, self.intercept_, t_token, source)
 
+
+
+def r2(y, predicted) -> float:
+    """R² of ``predicted`` against ``y`` (0 where ``y`` does not vary)."""
+    y = np.asarray(y, dtype=np.float64)
+    total = ((y - y.mean()) ** 2).sum()
+    return float(1 - ((y - predicted) ** 2).sum() / total) if total > 0 else 0.0
+
+
+def mape(y, predicted) -> float:
+    """Mean absolute percentage error of ``predicted`` as a fraction (0.02 = 2 %)."""
+    y = np.asarray(y, dtype=np.float64)
+    return float(np.mean(np.abs(y - predicted) / np.abs(y)))
 
 def marginal_verification_cost(new_experts: set[tuple[int, int]], state, costs: CostConstants) -> float:
     """ΔC_ver(i|S): the cost of the experts token i adds to the verification batch (``new_experts``
