@@ -13,7 +13,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = [os.path.join("csrc", "cpu", f) for f in ("module.c", "ops.c", "attend.c", "dot.c", "dot512.c", "pool.c", "aio.c", "step.c", "predict.c", "pass.c")]
+SOURCES = [os.path.join("csrc", "cpu", f) for f in ("module.c", "ops.c", "attend.c", "dot.c", "dot512.c", "kquant.c", "kquant_avx2.c", "pool.c", "aio.c", "step.c", "predict.c", "pass.c")]
 
 
 class OptionalBuildExt(build_ext):
@@ -57,7 +57,7 @@ setup(
         Extension(
             "s2moe._cpu",
             sources=SOURCES,
-            depends=[os.path.join("csrc", "cpu", f) for f in ("aio.h", "dot.h", "ops.h", "pool.h", "pybuf.h", "quant.h", "pass.h", "predict.h", "simd.h", "step.h")],
+            depends=[os.path.join("csrc", "cpu", f) for f in ("aio.h", "dot.h", "kquant.h", "ops.h", "pool.h", "pybuf.h", "quant.h", "pass.h", "predict.h", "simd.h", "step.h")],
             extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-Wall", "-Wno-unknown-pragmas"],
             extra_link_args=["-pthread"],
             libraries=["m"],

@@ -65,39 +65,36 @@ def test_lossy_gguf_matches_gguf_dequantisation(tiny_model_dirs, tmp_path, famil
     np.testing.assert_allclose(gguf_logits(path, ids), expected, atol=TOL, rtol=0)  # measured ≤ 2.7e-7
 
 
-def _random_q4k_blocks(rng, rows: int, cols: int) -> np.ndarray:
-    """Valid Q4_K bytes: per 256-value block d, dmin (f16), 12 scale bytes, 128 nibble bytes."""
-    blocks = rows * cols // 256
-    raw = rng.integers(0, 256, (blocks, 144), dtype=np.uint8)
-    scales = np.stack([rng.uniform(0.001, 0.01, blocks), rng.uniform(0.0, 0.01, blocks)], -1).astype(np.float16)
-    raw[:, :4] = scales.view(np.uint8).reshape(blocks, 4)
-    return raw.reshape(rows, cols // 256 * 144)
-
-
-def test_q4k_experts_match_gguf_dequantisation(tmp_path, rng):
-    """Q4_K (dequantise-only in the gguf package): experts built from random blocks."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_1"])
+def test_block_experts_match_gguf_dequantisation(kind, tmp_path, rng):
+    """The types the gguf package only dequantises (and Q5_1): experts built from random blocks,
+    kept stored at their size, give transformers' logits for the dequantised weights."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
+    from test_kernels import random_blocks
+
+    from s2moe.runtime.kernels.stored import row_bytes
 
     torch_model = tm.build("olmoe", hidden=256, experts=4)
     folder = tm.save(torch_model, tmp_path / "hf")
     loaded = load_model(folder)
     c = loaded.config
     E, I, H = c.num_experts, c.expert_intermediate_size, c.hidden_size
+    qtype = GGMLQuantizationType[kind]
     overrides = {}
     with torch.no_grad():
         for L in range(c.num_layers):
             fused = torch_model.model.layers[L].mlp.experts.gate_up_proj  # [E, 2I, H]
             halves = []
             for proj in ("gate", "up"):
-                q = _random_q4k_blocks(rng, E * I, H)
-                overrides[f"blk.{L}.ffn_{proj}_exps.weight"] = (q.reshape(E, I, -1), GGMLQuantizationType.Q4_K)
-                halves.append(dequantize(q, GGMLQuantizationType.Q4_K).reshape(E, I, H))
+                q = random_blocks(rng, kind, E * I, H)
+                overrides[f"blk.{L}.ffn_{proj}_exps.weight"] = (q.reshape(E, I, -1), qtype)
+                halves.append(dequantize(q, qtype).reshape(E, I, H))
             fused.copy_(torch.from_numpy(np.concatenate(halves, axis=1)))
-    path = str(tmp_path / "q4k.gguf")
+    path = str(tmp_path / f"{kind}.gguf")
     write_gguf(loaded, path, ExpertStore(loaded).read, "F32", raw_overrides=overrides)
     g = load_model(path)
-    assert g.experts[0, 1].gate.dtype == "Q4_K" and g.experts[0, 1].gate.nbytes == I * H // 256 * 144
+    assert g.experts[0, 1].gate.dtype == kind and g.experts[0, 1].gate.nbytes == I * row_bytes(kind, H)
     ids = rng.integers(0, 380, 12)
     np.testing.assert_allclose(gguf_logits(path, ids), tm.torch_logits(torch_model, ids), atol=TOL, rtol=0)
 

@@ -17,11 +17,17 @@ import pytest
 
 from s2moe.runtime.kernels import ExpertAct, cpu, select_ops
 from s2moe.runtime.kernels.reference import ReferenceOps
-from s2moe.runtime.kernels.stored import BLOCKS, StoredMatrix
+from s2moe.runtime.kernels.stored import BLOCKS, RUN_TYPES, StoredMatrix
 from s2moe.runtime.offload.experts import ExpertWeights
 
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "MXFP4")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "MXFP4") + RUN_TYPES
 REL = 1e-5
+# Where each block type keeps its f16 scales (the other bytes are codes and packed scales: any value),
+# and the largest |code · sub-scale| its other bytes can make
+F16_FIELDS = {"Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+CODE_RANGE = {"Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "IQ4_NL": 127, "Q2_K": 3 * 15, "Q3_K": 4 * 32, "Q4_K": 15 * 63,
+              "Q5_K": 31 * 63, "Q6_K": 32 * 128, "IQ4_XS": 127 * 32}
 
 
 def test_the_extension_is_built():
@@ -29,18 +35,26 @@ def test_the_extension_is_built():
     assert cpu.available(), f"the CPU kernels did not build or import: {cpu.IMPORT_ERROR}"
 
 
-def random_q4k(rng, rows: int, cols: int) -> np.ndarray:
-    """Valid Q4_K bytes: per 256 values d, dmin (f16), 12 scale bytes, 128 nibble bytes."""
-    blocks = rows * cols // 256
-    raw = rng.integers(0, 256, (blocks, 144), dtype=np.uint8)
-    scales = np.stack([rng.uniform(0.001, 0.01, blocks), rng.uniform(0.0, 0.01, blocks)], -1).astype(np.float16)
-    raw[:, :4] = scales.view(np.uint8).reshape(blocks, 4)
+def random_blocks(rng, dtype: str, rows: int, cols: int) -> np.ndarray:
+    """Valid bytes of ``dtype`` blocks (the types the gguf package can only dequantise): random codes
+    and packed scales, f16 scales drawn so that |w| ≤ 0.1 (as the tiny test models' weights)."""
+    values, nbytes = BLOCKS[dtype]
+    blocks = rows * cols // values
+    raw = rng.integers(0, 256, (blocks, nbytes), dtype=np.uint8)
+    top = 0.1 / CODE_RANGE[dtype]
+    for i, at in enumerate(F16_FIELDS[dtype]):  # (a second field is the min's scale: small, as trained ones)
+        lo, hi = (0.1 * top, top) if i == 0 else (0.0, 0.1 * top)
+        raw[:, at:at + 2] = rng.uniform(lo, hi, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2)
     return raw.reshape(-1)
 
 
+def random_q4k(rng, rows: int, cols: int) -> np.ndarray:
+    return random_blocks(rng, "Q4_K", rows, cols)
+
+
 def random_matrix(rng, dtype: str, rows: int, cols: int) -> StoredMatrix:
-    if dtype == "Q4_K":
-        return StoredMatrix(random_q4k(rng, rows, cols), "Q4_K", (rows, cols))
+    if dtype in F16_FIELDS and dtype not in ("Q4_1", "Q5_0", "Q5_1"):  # no quantiser in the gguf package
+        return StoredMatrix(random_blocks(rng, dtype, rows, cols), dtype, (rows, cols))
     return StoredMatrix.from_float(rng.standard_normal((rows, cols)).astype(np.float32) / np.sqrt(cols), dtype)
 
 
@@ -71,7 +85,8 @@ def test_linear_matches_the_reference_for_every_type(ops, dtype, rng):
     ref = ReferenceOps()
     values = BLOCKS[dtype][0]
     cols = max(256, values)  # rows of whole blocks (Q4_K: 256)
-    for rows, K in ((64, cols), (300, 2 * cols), (17, 3 * cols)):
+    # (and 288 = 9 blocks of 32: a row that ends inside kquant.c's unit of 256)
+    for rows, K in ((64, cols), (300, 2 * cols), (17, 3 * cols)) + (((9, 288),) if values == 32 else ()):
         W = random_matrix(rng, dtype, rows, K)
         for T in (1, 2, 3, 4, 5, 9, 16, 17):
             x = rng.standard_normal((T, K)).astype(np.float32)
@@ -113,7 +128,7 @@ def _experts(rng, dtype, n, I, H, biases=False):
     return out
 
 
-@pytest.mark.parametrize("dtype", ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "MXFP4"))
+@pytest.mark.parametrize("dtype", TYPES[1:])
 @pytest.mark.parametrize("act", (ExpertAct(), ExpertAct("swiglu_clamped", 1.702, 7.0)))
 def test_fused_experts_match_the_reference(ops, dtype, act, rng):
     """One layer's experts in one call: tokens shared between experts, uneven groups, biases."""
@@ -375,6 +390,62 @@ def test_int8_activations_quantise_like_the_reference_and_cost_little(rng):
             got = np.empty((3, 96), np.float32)
             _cpu.matmul(W.data, W.type_id, 96, K, x, got)
             assert rel_err(got, exact) <= REL  # float activations on request
+        finally:
+            _cpu.act_q8(1)
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_block_rows_give_a_token_its_own_bits_in_any_batch(simd, rng):
+    """kquant.c: a token's result does not depend on the tokens beside it (verification batches
+    then give each token its decode pass's bits: greedy speculation equals AR), nor on the rows
+    computed with it (the thread split)."""
+    from s2moe import _cpu
+
+    if simd and not _cpu.use_simd(True):
+        pytest.skip("this CPU has no AVX2+FMA+F16C: only the portable path exists here")
+    _cpu.use_simd(simd)
+    try:
+        for dtype in RUN_TYPES:
+            W = random_matrix(rng, dtype, 40, 512)
+            x = rng.standard_normal((11, 512)).astype(np.float32)
+            batch = np.empty((11, 40), np.float32)
+            _cpu.matmul(W.data, W.type_id, 40, 512, x, batch)
+            for t in (0, 5, 10):
+                alone = np.empty((1, 40), np.float32)
+                _cpu.matmul(W.data, W.type_id, 40, 512, x[t:t + 1].copy(), alone)
+                np.testing.assert_array_equal(alone[0], batch[t], err_msg=dtype)
+            part = np.empty((11, 7), np.float32)
+            _cpu.matmul(W.rows(slice(9, 16)).data, W.type_id, 7, 512, x, part)
+            np.testing.assert_array_equal(part, batch[:, 9:16], err_msg=dtype)
+    finally:
+        _cpu.use_simd(True)
+
+
+def test_super_block_types_meet_activations_in_blocks_of_256(rng):
+    """The K-quants and IQ4_XS take one activation scale per 256 values (as llama.cpp's q8_K), the
+    32-value types one per 32: each kernel agrees with its own NumPy reference, differs from float
+    activations by the rounding only, and takes float activations on request."""
+    from s2moe import _cpu
+    from s2moe.runtime.kernels.stored import activation_block, quantize_activations
+
+    K = 1024
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    x[1, 256:512] *= 50.0  # one loud super-block: its neighbours keep their own scales
+    q, d = quantize_activations(np, x, 256)
+    assert q.shape == (3, 4, 256) and d[1, 1] > 20 * d[1, 0] and np.abs(q).max() <= 127
+    for dtype in RUN_TYPES:
+        assert activation_block(dtype) == (256 if BLOCKS[dtype][0] == 256 else 32)
+        W = random_matrix(rng, dtype, 48, K)
+        want = ReferenceOps().linear(x, W)
+        got = np.empty((3, 48), np.float32)
+        _cpu.matmul(W.data, W.type_id, 48, K, x, got)
+        assert rel_err(got, want) <= REL, dtype
+        exact = x @ W.dequantize().T
+        assert 1e-5 < rel_err(want, exact) < 3e-2, dtype  # the activations' rounding, and only that
+        _cpu.act_q8(0)
+        try:
+            _cpu.matmul(W.data, W.type_id, 48, K, x, got)
+            assert rel_err(got, exact) <= REL, dtype  # float activations on request
         finally:
             _cpu.act_q8(1)
 

@@ -157,7 +157,7 @@ def test_info_shows_the_plan(wide_model):
     assert np.isclose(plan["expert_share"], 0.25, atol=0.01)
 
 
-@pytest.mark.parametrize("kind", ["F16", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["F16", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS"])
 def test_a_resident_expert_costs_its_stored_bytes(kind, tmp_path):
     """`s2moe convert` aligns tensor data to pages, so an expert read with O_DIRECT is held exactly
     as stored: `s2moe info` says resident = stored, and the store's buffers agree."""
@@ -167,19 +167,23 @@ def test_a_resident_expert_costs_its_stored_bytes(kind, tmp_path):
     from s2moe.runtime.cli.info import describe
     from s2moe.runtime.model.formats.gguf_writer import write_gguf
     from s2moe.runtime.offload.store import ExpertStore
-    from test_kernels import random_q4k
+    from test_kernels import random_blocks
 
-    folder = write_olmoe(str(tmp_path / "hf"), hidden=256, layers=1, experts=4, top_k=2, intermediate=256,
+    # an expert fills whole pages (O_DIRECT's unit), as at real sizes: 210- and 136-byte blocks need
+    # 2048 and 512 rows of 256 values for that
+    I = 2048 if kind in ("Q6_K", "IQ4_XS") else 256
+    folder = write_olmoe(str(tmp_path / "hf"), hidden=256, layers=1, experts=4, top_k=2, intermediate=I,
                          vocab=512, heads=4, kv_heads=4, dtype="float32")
     loaded = load_model(folder)
     overrides = {}
-    if kind == "Q4_K":  # the gguf package cannot quantise Q4_K: random valid blocks
+    blocks = kind not in ("F16", "Q8_0")
+    if blocks:  # the gguf package cannot quantise these: random valid blocks
         rng = np.random.default_rng(0)
-        for proj in ("gate", "up", "down"):
-            overrides[f"blk.0.ffn_{proj}_exps.weight"] = (random_q4k(rng, 4 * 256, 256).reshape(4, 256, -1),
-                                                          GGMLQuantizationType.Q4_K)
+        for proj, (rows, cols) in (("gate", (I, 256)), ("up", (I, 256)), ("down", (256, I))):
+            overrides[f"blk.0.ffn_{proj}_exps.weight"] = (random_blocks(rng, kind, 4 * rows, cols).reshape(4, rows, -1),
+                                                          GGMLQuantizationType[kind])
     path = str(tmp_path / f"m-{kind}.gguf")
-    write_gguf(loaded, path, ExpertStore(loaded).read, "F16" if kind == "Q4_K" else kind, raw_overrides=overrides)
+    write_gguf(loaded, path, ExpertStore(loaded).read, "F16" if blocks else kind, raw_overrides=overrides)
     assert os.stat(path).st_mode & 0o777 == 0o666 & ~_umask()
     g = load_model(path)
     facts = describe(g)

@@ -2,7 +2,8 @@
  * dozen tokens. Weights are dequantised in registers, 32 at a time, and used for up to four tokens
  * before the next 32 are decoded.
  *
- * Activations stay float32, except against Q8_0 and Q4_0 rows: there each token's x is quantised
+ * Activations stay float32, except against Q8_0 and Q4_0 rows (and kquant.c's types, which take the
+ * same int8 activations: the K-quants, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS): there each token's x is quantised
  * to int8 in blocks of 32 (d = max|x| / 127, q = x · (1/d) rounded half to even, all in float32)
  * and codes meet codes in integers, as llama.cpp's CPU backend does. At one token that is 1.6× the
  * float loop, whose cost was decoding codes to floats (docs/performance/kernels.md). The NumPy
@@ -17,6 +18,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "kquant.h"
 #include "quant.h"
 #include "simd.h"
 
@@ -39,7 +41,7 @@ static void rows_dot_portable(int type, const uint8_t *W, size_t rb, long K, lon
     free(row);
 }
 
-static int act_q8 = 1; /* int8 activations against Q8_0 / Q4_0 rows */
+static int act_q8 = 1; /* int8 activations against Q8_0 / Q4_0 rows (here) and kquant.c's types */
 #define ACT_Q8(type) (act_q8 && ((type) == T_Q8_0 || (type) == T_Q4_0))
 
 int dot_act_q8(int on) {
@@ -52,18 +54,6 @@ static int rows4_on = 1; /* one token against plain rows four at a time (the sam
 int dot_rows4(int on) {
     if (on >= 0) rows4_on = on != 0;
     return rows4_on;
-}
-
-/* One token's x [K] as int8 blocks of 32 and their scales (the reference's rounding, bit for bit). */
-static void quant_act_portable(const float *x, long K, int8_t *q, float *d) {
-    for (long g = 0; g < K / 32; g++) {
-        const float *p = x + 32 * g;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(p[i]));
-        float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
-        d[g] = dd;
-        for (int i = 0; i < 32; i++) q[32 * g + i] = (int8_t)nearbyintf(p[i] * id);
-    }
 }
 
 /* A Q8_0 or Q4_0 group's 32 signed codes and its scale. */
@@ -330,31 +320,6 @@ ROWS_FN(rows_q4_0, T_Q4_0)
 ROWS_FN(rows_mxfp4, T_MXFP4)
 ROWS_FN(rows_q4_k, T_Q4_K)
 
-/* quant_act_portable, eight lanes at a time (the same float32 operations, so the same codes). */
-AVX2 static void quant_act_avx2(const float *x, long K, int8_t *q, float *d) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (long g = 0; g < K / 32; g++) {
-        __m256 v[4], m = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(x + 32 * g + 8 * i);
-            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_max_ss(s, _mm_movehdup_ps(s));
-        float dd = _mm_cvtss_f32(s) / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
-        d[g] = dd;
-        const __m256 vid = _mm256_set1_ps(id);
-        __m256i n[4];
-        for (int i = 0; i < 4; i++)
-            n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        /* packs work within 128-bit lanes: the permute puts the 32 codes back in order */
-        __m256i c = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-        c = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + 32 * g), c);
-    }
-}
-
 /* A group's 32 signed codes (Q4_0: nibble − 8, elements 0-15 in the low nibbles) and its scale. */
 INLINE_AVX2 __m256i load_codes(const int TYPE, const uint8_t *row, long g, float *dw) {
     if (TYPE == T_Q8_0) {
@@ -533,6 +498,11 @@ int dot_use_vnni(int want) {
     return use_vnni;
 }
 
+int dot_vnni(void) {
+    if (use_avx2 < 0) dot_use_simd(1);
+    return use_vnni;
+}
+
 int dot_simd(void) {
     if (use_avx2 < 0) dot_use_simd(1);
     return use_avx2;
@@ -562,7 +532,7 @@ static void rows_dot_q8act(int type, const uint8_t *W, size_t rb, long K, long r
     }
 #ifdef HAVE_AVX2_PATH
     if (use_avx2) {
-        for (int t = 0; t < nb; t++) quant_act_avx2(xs[t], K, (int8_t *)qs[t], (float *)ds[t]);
+        for (int t = 0; t < nb; t++) act_quantize(xs[t], K, (int8_t *)qs[t], (float *)ds[t]);
         q8act_rows rows = type == T_Q8_0 ? rows_q8act_q8_0 : rows_q8act_q4_0;
 #ifdef HAVE_VNNI_PATH
         if (use_vnni == 1) rows = type == T_Q8_0 ? rows_q8act_vnni_q8_0 : rows_q8act_vnni_q4_0;
@@ -572,7 +542,7 @@ static void rows_dot_q8act(int type, const uint8_t *W, size_t rb, long K, long r
         goto done;
     }
 #endif
-    for (int t = 0; t < nb; t++) quant_act_portable(xs[t], K, (int8_t *)qs[t], (float *)ds[t]);
+    for (int t = 0; t < nb; t++) act_quantize(xs[t], K, (int8_t *)qs[t], (float *)ds[t]);
     rows_q8act_portable(type, W, rb, K, r0, r1, qs, ds, ys, nb);
 done:
     free(q);
@@ -586,8 +556,13 @@ void rows_dot(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, c
         rows_dot_q8act(type, W, rb, K, r0, r1, xs, ys, nb);
         return;
     }
+    if (act_q8 && kq_type(type)) { /* the K-quants and the other llama.cpp blocks (kquant.c) */
+        rows_dot_kq(type, W, rb, K, r0, r1, xs, ys, nb);
+        return;
+    }
 #ifdef HAVE_AVX2_PATH
-    if (use_avx2) {
+    /* (float activations against kquant.c's types, Q4_K aside, take the portable loop: a test switch) */
+    if (use_avx2 && (!kq_type(type) || type == T_Q4_K)) {
         if (use_avx512 && (type == T_F32 || type == T_F16 || type == T_BF16))
             rows_plain_avx512(type, W, rb, K, r0, r1, xs, ys, nb, rows4_on);
         else

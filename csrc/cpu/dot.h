@@ -16,6 +16,8 @@ int dot_use_simd(int want);
 int dot_use_vnni(int want);
 /* Whether this build holds the VNNI products (a compiler and assembler that know them). */
 int dot_vnni_built(void);
+/* The VNNI products in use (dot_use_vnni's return). */
+int dot_vnni(void);
 /* Whether the SIMD path is in use (attend.c follows the same switch). */
 int dot_simd(void);
 /* Q8_0 / Q4_0 rows against int8-quantised activations (1, the default) or float ones (0); -1 asks. */

@@ -11,6 +11,8 @@
  *                     2j in their low nibbles and 2j+1 in their high nibbles
  *   MXFP4  32 values: u8 e (E8M0), u8 qs[16]                 w = kvalues[nibble] * 2^(e-128)
  *                     (doubled E2M1 values times half the scale, as ggml does: bit-identical)
+ *   Q4_1, Q5_0, Q5_1, IQ4_NL (32 values) and Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS (256 values): kquant.c
+ *                     says each layout where it unpacks it, and decodes their rows.
  */
 #ifndef S2MOE_QUANT_H
 #define S2MOE_QUANT_H
@@ -19,16 +21,24 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_BF16 = 30, T_MXFP4 = 39 };
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39
+};
+
+/* kquant.c: one row of the types it unpacks */
+void kq_dequant_row(int type, const uint8_t *src, float *dst, long K);
 
 static const int8_t KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* IQ4_NL / IQ4_XS: the non-linear 4-bit grid */
+static const int8_t KVALUES_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* Elements per block and bytes per block; 0 for an unknown type. */
 static inline int block_elems(int type) {
     switch (type) {
     case T_F32: case T_F16: case T_BF16: return 1;
-    case T_Q8_0: case T_Q4_0: case T_MXFP4: return 32;
-    case T_Q4_K: return 256;
+    case T_Q8_0: case T_Q4_0: case T_MXFP4: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: return 32;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return 256;
     default: return 0;
     }
 }
@@ -41,6 +51,15 @@ static inline int block_bytes(int type) {
     case T_Q4_0: return 18;
     case T_Q4_K: return 144;
     case T_MXFP4: return 17;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_IQ4_NL: return 18;
+    case T_Q2_K: return 84;
+    case T_Q3_K: return 110;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    case T_IQ4_XS: return 136;
     default: return 0;
     }
 }
@@ -80,6 +99,7 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
 /* ggml's E8M0 → float, halved (pairs with the doubled E2M1 table). */
 static inline float e8m0_half(uint8_t e) {
@@ -155,6 +175,8 @@ static inline void dequant_row(int type, const uint8_t *src, float *dst, long K)
             }
         }
         break;
+    default:
+        kq_dequant_row(type, src, dst, K);
     }
 }
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .stored import INT8_ACTIVATION_TYPES, StoredMatrix, int8_activations, int8_product, quantize_activations
+from .stored import (INT8_ACTIVATION_TYPES, RUN_TYPES, StoredMatrix, activation_block, int8_activations, int8_product,
+                     int8_runs_product, quantize_activations)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -87,6 +88,11 @@ class ReferenceOps:
             xq, dx = quantize_activations(xp, x)
             for rows, codes, dw in W.code_chunks(x.shape[0]):
                 y[:, rows] = int8_product(xp, xq, dx, codes, dw)
+            return _plus(y, bias)
+        if W.dtype in RUN_TYPES and int8_activations() and hasattr(W, "run_chunks"):  # kquant.c's scheme
+            xq, dx = quantize_activations(xp, x, activation_block(W.dtype))
+            for rows, codes, scale, offset in W.run_chunks(x.shape[0]):
+                y[:, rows] = int8_runs_product(xp, xq, dx, codes, scale, offset)
             return _plus(y, bias)
         for rows, w in W.chunks():
             y[:, rows] = x @ w.T

@@ -1,11 +1,13 @@
-"""`StoredMatrix`: a weight matrix kept in memory in its stored encoding (F16, BF16, Q8_0, Q4_0,
-Q4_K, MXFP4, F32), so a resident weight costs its stored bytes.
+"""`StoredMatrix`: a weight matrix kept in memory in its stored encoding (F32, F16, BF16, MXFP4 and
+the llama.cpp blocks: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K … Q6_K, IQ4_XS), so a resident
+weight costs its stored bytes.
 
 Rows are whole blocks (GGML's rule: blocks run along a row), so row r is bytes
 [r · row_bytes, (r + 1) · row_bytes) of ``data``. The kernels (`cpu.py`) compute on these bytes,
 dequantising in registers; `dequantize` is the NumPy reference they are tested against, built on
 the format decoders (`gguf.quants` for the GGML blocks: llama.cpp's own reference code).
-Types without a kernel (Q5_K, Q6_K, …) are decoded once at load into F32 and counted at that size.
+Types without a kernel (IQ2_XXS, IQ3_S, TQ1_0, …) are decoded once at load into F32 and counted at
+that size (the load says so).
 """
 
 from __future__ import annotations
@@ -16,18 +18,28 @@ from dataclasses import dataclass
 import numpy as np
 
 # GGML type ids (the C kernels' type argument) and (values, bytes) per block
-GGML_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "BF16": 30, "MXFP4": 39}
-BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144),
-          "MXFP4": (32, 17)}
+GGML_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
+             "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
+BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
+          "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18), "Q2_K": (256, 84), "Q3_K": (256, 110),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_XS": (256, 136), "MXFP4": (32, 17)}
 # Reference decoding reads at most this many bytes of float32 at a time (bounded scratch)
 _CHUNK_BYTES = 4 << 20
 # Rows of these types meet activations quantised to int8 blocks of 32, as in llama.cpp's CPU
 # backend (csrc/cpu/dot.c says how, and why: 1.6x at one token)
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0")
+# ... and these, in runs of 16 with a scale and an offset each (csrc/cpu/kquant.c; `decode_runs`)
+RUN_TYPES = ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+
+
+def activation_block(dtype: str) -> int:
+    """Values per activation scale against ``dtype`` rows: 256 for the super-block types (one
+    scale per super-block, as llama.cpp's q8_K), 32 for the rest (kquant.h `kq_act_block`)."""
+    return 256 if BLOCKS[dtype][0] == 256 else 32
 
 
 def int8_activations() -> bool:
-    """Whether Q8_0 / Q4_0 products quantise their activations (the default, on both the compiled
+    """Whether Q8_0 / Q4_0 (and `RUN_TYPES`) products quantise their activations (the default, on both the compiled
     and the reference path); S2MOE_FLOAT_ACTIVATIONS=1 keeps float32 activations, as the tests that
     hold a GGUF's layout to transformers on dequantised weights need."""
     return os.environ.get("S2MOE_FLOAT_ACTIVATIONS", "") not in ("1", "true", "yes")
@@ -126,17 +138,21 @@ class StoredMatrix:
         """(row slice, codes [n, G, 32], scales [n, G]) of Q8_0 / Q4_0 rows, bounded like `chunks`."""
         yield from _code_chunks(np, self.data, self.dtype, self.shape, tokens)
 
+    def run_chunks(self, tokens: int):
+        """(row slice, codes [n, J, 16], scales [n, J], offsets [n, J]) of `RUN_TYPES` rows."""
+        yield from _code_chunks(np, self.data, self.dtype, self.shape, tokens, decode_runs)
+
     def __repr__(self) -> str:
         return f"StoredMatrix({self.dtype}, {list(self.shape)}, {self.nbytes} bytes)"
 
 
-def _code_chunks(xp, data, dtype: str, shape, tokens: int):
+def _code_chunks(xp, data, dtype: str, shape, tokens: int, decode=None):
     N, K = shape
     raw = data.reshape(N, row_bytes(dtype, K))
-    step = max(1, _CHUNK_BYTES // (4 * K * max(1, tokens)))  # the per-group sums are [G, T, n]
+    step = max(1, _CHUNK_BYTES // (8 * K * max(1, tokens)))  # the per-run sums are [K/16, T, n]
     for r in range(0, N, step):
         rows = slice(r, min(N, r + step))
-        yield (rows, *decode_codes(xp, dtype, raw[rows], K))
+        yield (rows, *(decode or decode_codes)(xp, dtype, raw[rows], K))
 
 
 # -- block decoding on any array namespace (NumPy or CuPy) -------------------------------------------
@@ -174,16 +190,9 @@ def decode_rows(xp, dtype: str, raw, K: int):
         half = xp.where(e < 2, xp.uint32(0x00200000) << e, (e - 1) << xp.uint32(23)).view(xp.float32)
         table = xp.asarray(_KVALUES_MXFP4)
         return (half * table[codes.astype(xp.int32)]).reshape(n, K)
-    if dtype == "Q4_K":
-        d, dmin = _f16(xp, blocks[..., 0:2]), _f16(xp, blocks[..., 2:4])  # [n, B, 1]
-        s = blocks[..., 4:16].astype(xp.int32)  # the 12 scale bytes
-        sc = xp.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
-        mn = xp.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
-        qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2p (low), 2p+1 (high)
-        codes = xp.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, 8, 32).astype(xp.float32)
-        scale = (d * sc.astype(xp.float32))[..., None]  # [n, B, 8, 1]
-        low = (dmin * mn.astype(xp.float32))[..., None]
-        return (codes * scale - low).reshape(n, K)
+    if dtype in RUN_TYPES:
+        codes, scale, offset = decode_runs(xp, dtype, raw, K)
+        return (codes * scale[..., None] + offset[..., None]).reshape(n, K)
     raise ValueError(f"no block decoder for {dtype}")
 
 
@@ -200,16 +209,101 @@ def decode_codes(xp, dtype: str, raw, K: int):
     raise ValueError(f"{dtype} rows do not meet int8 activations")
 
 
+_KVALUES_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int32)
+
+
+def decode_runs(xp, dtype: str, raw, K: int):
+    """uint8 [n, row_bytes] of a `RUN_TYPES` type → (codes, scales, offsets): float32 [n, K/16, 16]
+    integer codes and float32 [n, K/16] per run of 16 values, with w = scale · code + offset, as
+    csrc/cpu/kquant.c unpacks them. Layouts: gguf.quants (tests hold every type to it)."""
+    n = raw.shape[0]
+    values, nbytes = BLOCKS[dtype]
+    b = raw.reshape(n, K // values, nbytes).astype(xp.int32)  # [n, B, bytes]
+    B = b.shape[1]
+    sh = xp.asarray  # (shifts as arrays broadcast along the block's axes)
+    if dtype in ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
+        d = _f16(xp, raw.reshape(n, B, nbytes)[..., 0:2])  # [n, B, 1]
+        has_m = dtype in ("Q4_1", "Q5_1")
+        m = _f16(xp, raw.reshape(n, B, nbytes)[..., 2:4]) if has_m else xp.zeros_like(d)
+        start = {"Q4_1": 4, "Q5_0": 6, "Q5_1": 8, "IQ4_NL": 2}[dtype]
+        c = _nibbles(xp, b[..., start:start + 16])  # [n, B, 32]
+        if dtype in ("Q5_0", "Q5_1"):
+            at = 2 if dtype == "Q5_0" else 4
+            qh = xp.ascontiguousarray(raw.reshape(n, B, nbytes)[..., at:at + 4]).view(xp.uint32).astype(xp.int64)
+            c = c | (((qh >> sh(np.arange(32))) & 1) << 4).astype(xp.int32)
+            c = c - 16 if dtype == "Q5_0" else c
+        if dtype == "IQ4_NL":
+            c = xp.asarray(_KVALUES_IQ4)[c]
+        scale, offset = xp.repeat(d, 2, axis=-1), xp.repeat(m, 2, axis=-1)  # [n, B, 2]
+    elif dtype == "Q2_K":  # scales[16] (scale | min << 4), qs[64], d, dmin
+        d, dmin = _f16(xp, raw.reshape(n, B, nbytes)[..., 80:82]), _f16(xp, raw.reshape(n, B, nbytes)[..., 82:84])
+        c = (b[..., 16:80].reshape(n, B, 2, 1, 32) >> sh(np.array([0, 2, 4, 6]).reshape(4, 1))) & 3
+        scale, offset = d * (b[..., :16] & 0xF), -(dmin * (b[..., :16] >> 4))
+    elif dtype == "Q3_K":  # hmask[32], qs[64], scales[12] (6-bit, less 32), d
+        d = _f16(xp, raw.reshape(n, B, nbytes)[..., 108:110])
+        low = (b[..., 32:96].reshape(n, B, 2, 1, 32) >> sh(np.array([0, 2, 4, 6]).reshape(4, 1))) & 3
+        high = (b[..., :32].reshape(n, B, 1, 1, 32) >> sh(np.arange(8).reshape(2, 4, 1))) & 1
+        c = low - 4 * (1 - high)
+        sc = b[..., 96:108]
+        lo = xp.concatenate([sc[..., :8] & 0xF, sc[..., :8] >> 4], axis=-1)
+        hi = (sc[..., None, 8:12] >> sh(np.array([0, 2, 4, 6]).reshape(4, 1))) & 3  # [n, B, j // 4, j % 4]
+        scale = d * ((lo | (hi.reshape(n, B, 16) << 4)) - 32)
+        offset = xp.zeros_like(scale)
+    elif dtype in ("Q4_K", "Q5_K"):  # d, dmin, scales[12], (Q5_K: qh[32],) qs[128]
+        d, dmin = _f16(xp, raw.reshape(n, B, nbytes)[..., 0:2]), _f16(xp, raw.reshape(n, B, nbytes)[..., 2:4])
+        s = b[..., 4:16]
+        sc = xp.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+        mn = xp.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+        qs = b[..., 48:] if dtype == "Q5_K" else b[..., 16:]
+        c = xp.stack([qs.reshape(n, B, 4, 32) & 0xF, qs.reshape(n, B, 4, 32) >> 4], axis=3)  # [n, B, 4, 2, 32]
+        if dtype == "Q5_K":
+            c = c | (((b[..., 16:48].reshape(n, B, 1, 1, 32) >> sh(np.arange(8).reshape(4, 2, 1))) & 1) << 4)
+        scale, offset = xp.repeat(d * sc, 2, axis=-1), xp.repeat(-(dmin * mn), 2, axis=-1)
+    elif dtype == "Q6_K":  # ql[128], qh[64], int8 scales[16], d
+        d = _f16(xp, raw.reshape(n, B, nbytes)[..., 208:210])
+        low = (b[..., :128].reshape(n, B, 2, 1, 2, 32) >> sh(np.array([0, 4]).reshape(2, 1, 1))) & 0xF  # [h, s>>1, s&1]
+        high = (b[..., 128:192].reshape(n, B, 2, 1, 32) >> sh(np.array([0, 2, 4, 6]).reshape(4, 1))) & 3
+        c = (low.reshape(n, B, 2, 4, 32) | (high << 4)) - 32
+        scale = d * ((b[..., 192:208] ^ 0x80) - 0x80)  # the int8 scales
+        offset = xp.zeros_like(scale)
+    elif dtype == "IQ4_XS":  # d, scales_h (u16), scales_l[4], qs[128]
+        d = _f16(xp, raw.reshape(n, B, nbytes)[..., 0:2])
+        low = (b[..., 4:8, None] >> sh(np.array([0, 4]))) & 0xF  # [n, B, 4, 2]
+        high = ((b[..., 2:3] | (b[..., 3:4] << 8)) >> sh(2 * np.arange(8))) & 3  # [n, B, 8]
+        ls = low.reshape(n, B, 8) | (high << 4)
+        c = xp.asarray(_KVALUES_IQ4)[_nibbles(xp, b[..., 8:].reshape(n, B, 8, 16))]
+        scale = xp.repeat(d * (ls - 32), 2, axis=-1)
+        offset = xp.zeros_like(scale)
+    else:
+        raise ValueError(f"{dtype} has no runs of 16")
+    J = K // 16
+    return (c.reshape(n, J, 16).astype(xp.float32), scale.reshape(n, J).astype(xp.float32),
+            offset.reshape(n, J).astype(xp.float32))
+
+
+def int8_runs_product(xp, xq, dx, codes, scale, offset):
+    """[T, n]: Σ over runs of 16 of dx · (scale · Σ code · q + offset · Σ q), as kquant.c computes it
+    (here in float64 from exact integer sums: the reference the kernels are held to). ``xq``, ``dx``:
+    `quantize_activations` in blocks of `activation_block`."""
+    T, G, block = xq.shape
+    q16 = xq.reshape(T, G * block // 16, 16)
+    isum = xp.matmul(q16.transpose(1, 0, 2), codes.transpose(1, 2, 0)).astype(xp.float64)  # [J, T, n], exact
+    dx16 = xp.repeat(dx, block // 16, axis=1).T.astype(xp.float64)[:, :, None]  # [J, T, 1]
+    qsum = q16.sum(axis=-1).T.astype(xp.float64)[:, :, None]  # [J, T, 1]
+    part = scale.T.astype(xp.float64)[:, None, :] * isum + offset.T.astype(xp.float64)[:, None, :] * qsum
+    return (dx16 * part).sum(axis=0).astype(xp.float32)
+
+
 def _nibbles(xp, qs):
     """[..., 16] bytes → [..., 32] codes: elements 0-15 in the low nibbles, 16-31 in the high."""
     return xp.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def quantize_activations(xp, x):
-    """float32 [T, K] → (codes float32 [T, G, 32], scales float32 [T, G]), rounded exactly as
-    csrc/cpu/dot.c does: d = max|x| / 127 and q = round-half-even(x · (1/d)), each in float32."""
+def quantize_activations(xp, x, block: int = 32):
+    """float32 [T, K] → (codes float32 [T, G, block], scales float32 [T, G]), rounded exactly as
+    csrc/cpu does: d = max|x| / 127 and q = round-half-even(x · (1/d)), each in float32."""
     T, K = x.shape
-    blocks = x.reshape(T, K // 32, 32).astype(xp.float32, copy=False)
+    blocks = x.reshape(T, K // block, block).astype(xp.float32, copy=False)
     d = (xp.abs(blocks).max(axis=-1) / xp.float32(127.0)).astype(xp.float32)
     inv = (xp.float32(1.0) / xp.where(d > 0, d, xp.float32(1.0))).astype(xp.float32)
     inv = xp.where(d > 0, inv, xp.float32(0.0))
@@ -263,3 +357,6 @@ class DeviceStored:
 
     def code_chunks(self, tokens: int):
         yield from _code_chunks(self.xp, self.data, self.dtype, self.shape, tokens)
+
+    def run_chunks(self, tokens: int):
+        yield from _code_chunks(self.xp, self.data, self.dtype, self.shape, tokens, decode_runs)

@@ -1,0 +1,281 @@
+/* Row dot products of the K-quants (Q2_K … Q6_K) and the other llama.cpp block types (Q4_1, Q5_0,
+ * Q5_1, IQ4_NL, IQ4_XS) against int8 activations. Q4_K_M, Q5_K_M and Q3_K_M files mix these types
+ * (almost all carry Q6_K: the output head, attn_v, half the ffn_down), so each must run on its
+ * stored blocks, not on float32 copies four to eight times their size.
+ *
+ * One scheme serves every type. A row is taken 256 values at a time (a K-quant super-block, or
+ * eight 32-value blocks) and unpacked in registers and L1 into
+ *     c[256]  int8 codes,   s[16], m[16]  the scale and offset of each run of 16,
+ * so that w = s·c + m (Q6_K: c = q − 32, s = d·sc, m = 0; Q4_K: c = q, s = d·sc, m = −dmin·mn; …).
+ * The unpacking is shared by every token of the batch. Activations are int8 blocks of 32 with a
+ * float scale dx (the same quantisation as the Q8_0 / Q4_0 kernels, dot.c), so
+ *     W[r]·x = Σ_runs dx · (s · Σ c·q + m · Σ q).
+ * llama.cpp's CPU backend uses q8_K (one scale per 256) for the K-quants; blocks of 32 keep one
+ * activation format for every int8 type, follow the activations' range more closely, and cost one
+ * convert and FMA per 32 weights. The integer sums are AVX2's maddubs (|c| · (q with c's sign), at
+ * most 2 · 127 · 127 per pair: no saturation) or one VNNI instruction, the same integers.
+ *
+ * A token's sums are taken in the same order whatever the batch and the rows beside it, so a
+ * token's bits in a verification batch are its own decode pass's (greedy speculation equals AR).
+ * stored.py `int8_rows_product` is the NumPy reference; its decoders are held to gguf.quants.
+ */
+#include "kquant.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dot.h"
+#include "quant.h"
+#include "simd.h"
+
+int kq_type(int type) {
+    switch (type) {
+    case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K:
+    case T_Q6_K: case T_IQ4_XS: return 1;
+    default: return 0;
+    }
+}
+
+typedef struct {
+    int8_t c[256] __attribute__((aligned(32)));
+    float s[16] __attribute__((aligned(32)));
+    float m[16] __attribute__((aligned(32)));
+} kq_unit;
+
+/* A 32-value block's codes from 16 bytes of nibbles: elements 0-15 low, 16-31 high. */
+static inline __attribute__((always_inline)) void nibbles32(const uint8_t *qs, int8_t *c, int bias) {
+    for (int l = 0; l < 16; l++) {
+        c[l] = (int8_t)((qs[l] & 0xF) - bias);
+        c[l + 16] = (int8_t)((qs[l] >> 4) - bias);
+    }
+}
+
+static inline __attribute__((always_inline)) void iq4_32(const uint8_t *qs, int8_t *c) {
+    for (int l = 0; l < 16; l++) {
+        c[l] = KVALUES_IQ4[qs[l] & 0xF];
+        c[l + 16] = KVALUES_IQ4[qs[l] >> 4];
+    }
+}
+
+/* The 5-bit codes of a Q5_0 / Q5_1 block (qh: bit i is element i's fifth bit). */
+static inline __attribute__((always_inline)) void fives32(const uint8_t *qs, uint32_t qh, int8_t *c, int bias) {
+    for (int l = 0; l < 16; l++) {
+        c[l] = (int8_t)(((qs[l] & 0xF) | (((qh >> l) & 1) << 4)) - bias);
+        c[l + 16] = (int8_t)(((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - bias);
+    }
+}
+
+/* Unit u of a row (values 256u .. 256u + 32·ng) into k; returns whether it has offsets (m ≠ 0).
+ * Written once in plain C: inlined into the AVX2 functions, the compiler vectorises the loops. */
+static inline __attribute__((always_inline)) int kq_unpack(int type, const uint8_t *row, long u, int ng, kq_unit *k) {
+    int has_min = 0;
+    for (int j = 2 * ng; j < 16; j++) k->s[j] = k->m[j] = 0.0f;
+    switch (type) {
+    case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {
+        const int bb = block_bytes(type);
+        for (int i = 0; i < ng; i++) {
+            const uint8_t *b = row + (size_t)bb * (size_t)(8 * u + i);
+            float d = f16_to_f32(rd16(b)), m = 0.0f;
+            if (type == T_Q4_1) { m = f16_to_f32(rd16(b + 2)); nibbles32(b + 4, k->c + 32 * i, 0); }
+            if (type == T_Q5_0) fives32(b + 6, rd32(b + 2), k->c + 32 * i, 16);
+            if (type == T_Q5_1) { m = f16_to_f32(rd16(b + 2)); fives32(b + 8, rd32(b + 4), k->c + 32 * i, 0); }
+            if (type == T_IQ4_NL) iq4_32(b + 2, k->c + 32 * i);
+            k->s[2 * i] = k->s[2 * i + 1] = d;
+            k->m[2 * i] = k->m[2 * i + 1] = m;
+        }
+        return type == T_Q4_1 || type == T_Q5_1;
+    }
+    case T_Q2_K: { /* scales[16] (low nibble scale, high nibble min), qs[64], d, dmin */
+        const uint8_t *b = row + 84 * (size_t)u, *qs = b + 16;
+        float d = f16_to_f32(rd16(b + 80)), dmin = f16_to_f32(rd16(b + 82));
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++) k->c[128 * h + 32 * s + l] = (int8_t)((qs[32 * h + l] >> (2 * s)) & 3);
+        for (int j = 0; j < 16; j++) {
+            k->s[j] = d * (float)(b[j] & 0xF);
+            k->m[j] = -(dmin * (float)(b[j] >> 4));
+        }
+        return 1;
+    }
+    case T_Q3_K: { /* hmask[32], qs[64], scales[12] (6-bit, less 32), d; a clear hmask bit takes 4 off */
+        const uint8_t *b = row + 110 * (size_t)u, *hm = b, *qs = b + 32, *sc = b + 96;
+        float d = f16_to_f32(rd16(b + 108));
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++)
+                    k->c[128 * h + 32 * s + l] = (int8_t)(((qs[32 * h + l] >> (2 * s)) & 3) -
+                                                          (((hm[l] >> (4 * h + s)) & 1) ? 0 : 4));
+        for (int j = 0; j < 16; j++) {
+            int lo = j < 8 ? sc[j] & 0xF : sc[j - 8] >> 4, hi = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+            k->s[j] = d * (float)((lo | (hi << 4)) - 32);
+            k->m[j] = 0.0f;
+        }
+        return 0;
+    }
+    case T_Q4_K: case T_Q5_K: { /* d, dmin, scales[12], (Q5_K: qh[32],) qs[128] */
+        const uint8_t *b = row + (size_t)block_bytes(type) * (size_t)u;
+        const uint8_t *qh = b + 16, *qs = b + (type == T_Q5_K ? 48 : 16);
+        float d = f16_to_f32(rd16(b)), dmin = f16_to_f32(rd16(b + 2));
+        for (int p = 0; p < 4; p++)
+            for (int l = 0; l < 32; l++) {
+                int lo = qs[32 * p + l] & 0xF, hi = qs[32 * p + l] >> 4;
+                if (type == T_Q5_K) {
+                    lo |= ((qh[l] >> (2 * p)) & 1) << 4;
+                    hi |= ((qh[l] >> (2 * p + 1)) & 1) << 4;
+                }
+                k->c[64 * p + l] = (int8_t)lo;
+                k->c[64 * p + 32 + l] = (int8_t)hi;
+            }
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, mn;
+            q4k_scale_min(j, b + 4, &sc, &mn);
+            k->s[2 * j] = k->s[2 * j + 1] = d * (float)sc;
+            k->m[2 * j] = k->m[2 * j + 1] = -(dmin * (float)mn);
+        }
+        return 1;
+    }
+    case T_Q6_K: { /* ql[128], qh[64], int8 scales[16], d: code = (4 low bits | 2 high bits << 4) − 32 */
+        const uint8_t *b = row + 210 * (size_t)u, *ql = b, *qh = b + 128;
+        float d = f16_to_f32(rd16(b + 208));
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++) {
+                    int lo = (ql[64 * h + 32 * (s & 1) + l] >> (4 * (s >> 1))) & 0xF;
+                    int hi = (qh[32 * h + l] >> (2 * s)) & 3;
+                    k->c[128 * h + 32 * s + l] = (int8_t)((lo | (hi << 4)) - 32);
+                }
+        for (int j = 0; j < 16; j++) {
+            k->s[j] = d * (float)(int8_t)b[192 + j];
+            k->m[j] = 0.0f;
+        }
+        return 0;
+    }
+    case T_IQ4_XS: { /* d, scales_h (u16), scales_l[4], qs[128]: 6-bit scales less 32, codes by table */
+        const uint8_t *b = row + 136 * (size_t)u, *qs = b + 8;
+        float d = f16_to_f32(rd16(b));
+        int sh = rd16(b + 2);
+        for (int i = 0; i < 8; i++) {
+            int ls = ((b[4 + i / 2] >> (4 * (i % 2))) & 0xF) | (((sh >> (2 * i)) & 3) << 4);
+            iq4_32(qs + 16 * i, k->c + 32 * i);
+            k->s[2 * i] = k->s[2 * i + 1] = d * (float)(ls - 32);
+            k->m[2 * i] = k->m[2 * i + 1] = 0.0f;
+        }
+        return 0;
+    }
+    }
+    (void)has_min;
+    return 0;
+}
+
+/* (quant.h) one row's values, for the embedding lookup and the portable float path */
+void kq_dequant_row(int type, const uint8_t *src, float *dst, long K) {
+    const long G = K / 32;
+    kq_unit k;
+    for (long u = 0; u * 8 < G; u++) {
+        int ng = G - 8 * u < 8 ? (int)(G - 8 * u) : 8;
+        kq_unpack(type, src, u, ng, &k);
+        for (int i = 0; i < 32 * ng; i++) dst[256 * u + i] = k.s[i / 16] * (float)k.c[i] + k.m[i / 16];
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* activations: int8 blocks of 32, and the runs of 16's sums (dx · Σ q) for the offsets         */
+
+static void act_quantize_portable(const float *x, long K, int B, int8_t *q, float *d) {
+    for (long g = 0; g < K / B; g++) {
+        const float *p = x + (size_t)B * g;
+        float amax = 0.0f;
+        for (int i = 0; i < B; i++) amax = fmaxf(amax, fabsf(p[i]));
+        float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        d[g] = dd;
+        for (int i = 0; i < B; i++) q[(size_t)B * g + i] = (int8_t)nearbyintf(p[i] * id);
+    }
+}
+
+void act_quantize_blocks(const float *x, long K, int B, int8_t *q, float *d) {
+#ifdef HAVE_AVX2_PATH
+    if (dot_simd()) {
+        act_quantize_avx2(x, K, B, q, d);
+        return;
+    }
+#endif
+    act_quantize_portable(x, K, B, q, d);
+}
+
+void act_quantize(const float *x, long K, int8_t *q, float *d) { act_quantize_blocks(x, K, 32, q, d); }
+
+int kq_act_block(int type) {
+    switch (type) {
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return 256;
+    default: return 32;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the rows                                                                                   */
+
+static void kq_rows_portable(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_acts *a,
+                             float *const *ys, int nb) {
+    const long G = K / 32, U = (G + 7) / 8;
+    const int runs = kq_act_block(type) / 16; /* runs of 16 per activation scale */
+    kq_unit k;
+    for (long r = r0; r < r1; r++) {
+        const uint8_t *row = W + (size_t)r * rb;
+        for (int t = 0; t < nb; t++) ys[t][r] = 0.0f;
+        for (long u = 0; u < U; u++) {
+            int ng = G - 8 * u < 8 ? (int)(G - 8 * u) : 8, has_min = kq_unpack(type, row, u, ng, &k);
+            for (int t = 0; t < nb; t++) {
+                const int8_t *q = a->qs[t] + 256 * u;
+                const int16_t *bs = a->bs[t] + 16 * u;
+                float y = 0.0f;
+                for (int j = 0; j < 2 * ng; j++) {
+                    int isum = 0;
+                    for (int i = 0; i < 16; i++) isum += k.c[16 * j + i] * q[16 * j + i];
+                    float dx = a->ds[t][(16 * u + j) / runs];
+                    y += dx * k.s[j] * (float)isum;
+                    if (has_min) y += dx * k.m[j] * (float)bs[j];
+                }
+                ys[t][r] += y;
+            }
+        }
+    }
+}
+
+void rows_dot_kq(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const float *const *xs,
+                 float *const *ys, int nb) {
+    const long U = (K / 32 + 7) / 8;
+    const int B = kq_act_block(type);
+    int8_t *q = malloc((size_t)nb * (size_t)K + 32);
+    float *d = malloc(sizeof(float) * (size_t)(nb * (K / B) + 1));
+    int16_t *bs = malloc(sizeof(int16_t) * (size_t)(nb * 16 * U + 1));
+    const int8_t *qs[nb > 0 ? nb : 1];
+    const float *dp[nb > 0 ? nb : 1];
+    const int16_t *bsp[nb > 0 ? nb : 1];
+    if (!q || !d || !bs) goto done; /* callers check inputs; an allocation failure leaves y unchanged */
+    for (int t = 0; t < nb; t++) {
+        int8_t *qt = q + (size_t)t * (size_t)K;
+        int16_t *bt = bs + (size_t)t * (size_t)(16 * U);
+        act_quantize_blocks(xs[t], K, B, qt, d + (size_t)t * (size_t)(K / B));
+        for (long j = 0; j < 16 * U; j++) { /* Σ q over each run of 16 (0 past the row) */
+            int sum = 0;
+            for (int i = 0; j < K / 16 && i < 16; i++) sum += qt[16 * j + i];
+            bt[j] = (int16_t)sum;
+        }
+        qs[t] = qt;
+        dp[t] = d + (size_t)t * (size_t)(K / B);
+        bsp[t] = bt;
+    }
+    kq_acts acts = {qs, dp, bsp};
+#ifdef HAVE_AVX2_PATH
+    if (dot_simd()) {
+        kq_rows_avx2(type, W, rb, K, r0, r1, &acts, ys, nb);
+        goto done;
+    }
+#endif
+    kq_rows_portable(type, W, rb, K, r0, r1, &acts, ys, nb);
+done:
+    free(q);
+    free(d);
+    free(bs);
+}

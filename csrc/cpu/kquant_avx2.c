@@ -1,0 +1,276 @@
+/* kquant.c's rows on AVX2 (+ FMA, F16C): codes unpacked into registers, integer products.
+ *
+ * The K-quants and IQ4_XS meet activations quantised in blocks of 256, one per super-block (as
+ * llama.cpp's q8_K). Then a super-block's whole sum stays in integers: per block of 32,
+ *     maddubs(codes, q)   → 16 sums of two products (unsigned codes ≤ 63 times |q| ≤ 127: ≤ 16002)
+ *     madd(·, scales)     → 8 int32, each run of 16 weighed by its integer scale,
+ * and the codes' offset (Q6_K's 32, Q3_K's 4) and the mins (Q2_K, Q4_K, Q5_K) come from the runs'
+ * Σ q, times the integer scales or mins, in one madd. One convert and FMA finish the super-block:
+ *     dx · (d · Σ_runs sc · Σ code·q  −  dm · Σ_runs mn · Σ q).
+ * The 32-value types (Q4_1, Q5_0, Q5_1, IQ4_NL) meet blocks of 32 (as llama.cpp's q8_0 / q8_1):
+ * per block, the integer sum, then one FMA with d · dx, and the min as d_m · dx · Σ q.
+ * All integer sums are exact (the largest, a Q6_K super-block, stays under 2^26).
+ */
+#include "kquant.h"
+
+#include <string.h>
+
+#include "dot.h"
+#include "quant.h"
+#include "simd.h"
+
+#ifdef HAVE_AVX2_PATH
+
+#define KQ_TB 8 /* tokens whose sums stay in registers while a row's unit is unpacked */
+
+INLINE_AVX2 float h2f(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+/* d = max|x| / 127 over each block of B, q = x · (1/d) rounded half to even: the same float32
+ * operations as kquant.c's portable loop, so the same codes. */
+AVX2 void act_quantize_avx2(const float *x, long K, int B, int8_t *q, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (long g = 0; g < K / B; g++) {
+        const float *p = x + (size_t)B * g;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < B; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + i)));
+        __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_max_ss(s, _mm_movehdup_ps(s));
+        float dd = _mm_cvtss_f32(s) / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        d[g] = dd;
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int i = 0; i < B; i += 32) {
+            __m256i n[4];
+            for (int k = 0; k < 4; k++)
+                n[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i + 8 * k), vid),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            /* packs work within 128-bit lanes: the permute puts the 32 codes back in order */
+            __m256i c = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+            c = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + (size_t)B * g + i), c);
+        }
+    }
+}
+
+/* 16 bytes of nibbles → 32 codes: the low nibbles (elements 0-15), then the high ones. */
+INLINE_AVX2 __m256i nib_block(__m128i q) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+
+/* 32 bits → 32 bytes, 0x10 where the bit is set (Q5_0 / Q5_1's fifth bits). */
+INLINE_AVX2 __m256i fifth_bits(uint32_t qh) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+INLINE_AVX2 __m256i iq4_table(void) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4)); }
+
+/* Two int16 scales, one per run of 16 of a block of 32, as madd's second operand. */
+INLINE_AVX2 __m256i run_scales(int a, int b) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)b), _mm_set1_epi16((short)a));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the 32-value blocks                                                                        */
+
+/* Block b's codes (signed for Q5_0 and IQ4_NL) and its scale d and min. */
+INLINE_AVX2 __m256i small_block(const int TYPE, const uint8_t *b, float *d, float *m) {
+    const int at = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;
+    __m256i v = nib_block(_mm_loadu_si128((const __m128i *)(b + at)));
+    if (TYPE == T_Q5_0) v = _mm256_sub_epi8(_mm256_or_si256(v, fifth_bits(rd32(b + 2))), _mm256_set1_epi8(16));
+    if (TYPE == T_Q5_1) v = _mm256_or_si256(v, fifth_bits(rd32(b + 4)));
+    if (TYPE == T_IQ4_NL) v = _mm256_shuffle_epi8(iq4_table(), v);
+    *d = h2f(b);
+    *m = TYPE == T_Q4_1 || TYPE == T_Q5_1 ? h2f(b + 2) : 0.0f;
+    return v;
+}
+
+INLINE_AVX2 void small_rows(const int TYPE, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_acts *a,
+                            float *const *ys, int nb) {
+    const long G = K / 32;
+    const int bb = block_bytes(TYPE);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (long r = r0; r < r1; r++) {
+        const uint8_t *row = W + (size_t)r * rb;
+        for (int t0 = 0; t0 < nb; t0 += KQ_TB) {
+            const int nt = nb - t0 < KQ_TB ? nb - t0 : KQ_TB;
+            __m256 acc[KQ_TB];
+            float mins[KQ_TB];
+            for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps(), mins[t] = 0.0f;
+            for (long g = 0; g < G; g++) {
+                float d, m;
+                const __m256i c = small_block(TYPE, row + (size_t)bb * g, &d, &m), ac = _mm256_sign_epi8(c, c);
+                for (int t = 0; t < nt; t++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->qs[t0 + t] + 32 * g));
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ac, _mm256_sign_epi8(x, c)), ones);
+                    const float dx = a->ds[t0 + t][g];
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx), acc[t]);
+                    if (TYPE == T_Q4_1 || TYPE == T_Q5_1)
+                        mins[t] += m * dx * (float)(a->bs[t0 + t][2 * g] + a->bs[t0 + t][2 * g + 1]);
+                }
+            }
+            for (int t = 0; t < nt; t++) ys[t0 + t][r] = hsum(acc[t]) + mins[t];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* the super-blocks of 256                                                                    */
+
+/* A super-block's codes c[8] (unsigned, but IQ4_XS's signed), the int16 scale pairs sv[8] of its
+ * blocks of 32, the int16 factors mv of its runs' Σ q, and the float multipliers of the two sums.
+ * Returns whether the Σ q term exists. */
+INLINE_AVX2 int super_block(const int TYPE, const uint8_t *b, __m256i *c, __m256i *sv, __m256i *mv, float *dsum,
+                            float *dq) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    if (TYPE == T_Q4_K || TYPE == T_Q5_K) { /* d, dmin, scales[12], (Q5_K: qh[32],) qs[128] */
+        const uint8_t *qs = b + (TYPE == T_Q5_K ? 48 : 16);
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 16));
+        for (int p = 0; p < 4; p++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (TYPE == T_Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p), m1), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p + 1), m1), 4));
+            }
+            c[2 * p] = lo;
+            c[2 * p + 1] = hi;
+        }
+        /* the eight 6-bit scales and mins, four to a word: bytes 0-3 hold the low six bits of
+         * scales 0-3, bytes 4-7 those of mins 0-3; bytes 8-11 the low four bits of scales and
+         * mins 4-7, whose top two bits are the top bits of bytes 0-3 (scales) and 4-7 (mins) */
+        const uint32_t u0 = rd32(b + 4), u1 = rd32(b + 8), u2 = rd32(b + 12);
+        const uint32_t sc[2] = {u0 & 0x3F3F3F3Fu, (u2 & 0x0F0F0F0Fu) | ((u0 >> 2) & 0x30303030u)};
+        const uint32_t mn[2] = {u1 & 0x3F3F3F3Fu, ((u2 >> 4) & 0x0F0F0F0Fu) | ((u1 >> 2) & 0x30303030u)};
+        for (int j = 0; j < 8; j++) sv[j] = _mm256_set1_epi16((short)((sc[j / 4] >> (8 * (j % 4))) & 0xFF));
+        const __m128i m8 = _mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]);
+        *mv = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)); /* each min for its two runs */
+        *dsum = h2f(b);
+        *dq = -h2f(b + 2);
+        return 1;
+    }
+    if (TYPE == T_Q6_K) { /* ql[128], qh[64], int8 scales[16], d; code − 32 */
+        for (int h = 0; h < 2; h++) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h)),
+                          q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i lo[4] = {_mm256_and_si256(q0, m4), _mm256_and_si256(q1, m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(q0, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(q1, 4), m4)};
+            for (int i = 0; i < 4; i++)
+                c[4 * h + i] = _mm256_or_si256(lo[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), m3), 4));
+        }
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int g = 0; g < 8; g++) sv[g] = run_scales(sc[2 * g], sc[2 * g + 1]);
+        *mv = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)), 5); /* 32 · sc */
+        *dsum = h2f(b + 208);
+        *dq = -*dsum;
+        return 1;
+    }
+    if (TYPE == T_Q2_K || TYPE == T_Q3_K) {
+        const uint8_t *qs = b + (TYPE == T_Q2_K ? 16 : 32);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+            for (int i = 0; i < 4; i++) {
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * i), m3);
+                if (TYPE == T_Q3_K) /* the hmask bit is the code's third bit; the code is less 4 */
+                    v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + i), m1), 2));
+                c[4 * h + i] = v;
+            }
+        }
+        if (TYPE == T_Q2_K) { /* scales[16]: scale in the low nibble, min in the high one */
+            const __m128i s8 = _mm_loadu_si128((const __m128i *)b);
+            for (int g = 0; g < 8; g++) sv[g] = run_scales(b[2 * g] & 0xF, b[2 * g + 1] & 0xF);
+            *mv = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), _mm_set1_epi8(0x0F)));
+            *dsum = h2f(b + 80);
+            *dq = -h2f(b + 82);
+            return 1;
+        }
+        const uint8_t *s = b + 96;
+        int16_t sc[16];
+        for (int j = 0; j < 16; j++) {
+            int lo = j < 8 ? s[j] & 0xF : s[j - 8] >> 4, hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+            sc[j] = (int16_t)((lo | (hi << 4)) - 32);
+        }
+        for (int g = 0; g < 8; g++) sv[g] = run_scales(sc[2 * g], sc[2 * g + 1]);
+        *mv = _mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)sc), 2); /* 4 · sc */
+        *dsum = h2f(b + 108);
+        *dq = -*dsum;
+        return 1;
+    }
+    /* IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]; 6-bit scales less 32, codes by table */
+    const int sh = rd16(b + 2);
+    for (int g = 0; g < 8; g++) {
+        int ls = ((b[4 + g / 2] >> (4 * (g % 2))) & 0xF) | (((sh >> (2 * g)) & 3) << 4);
+        c[g] = _mm256_shuffle_epi8(iq4_table(), nib_block(_mm_loadu_si128((const __m128i *)(b + 8 + 16 * g))));
+        sv[g] = _mm256_set1_epi16((short)(ls - 32));
+    }
+    *mv = _mm256_setzero_si256();
+    *dsum = h2f(b);
+    *dq = 0.0f;
+    return 0;
+}
+
+INLINE_AVX2 void super_rows(const int TYPE, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_acts *a,
+                            float *const *ys, int nb) {
+    const long U = K / 256;
+    const int bb = block_bytes(TYPE);
+    for (long r = r0; r < r1; r++) {
+        const uint8_t *row = W + (size_t)r * rb;
+        for (int t0 = 0; t0 < nb; t0 += KQ_TB) {
+            const int nt = nb - t0 < KQ_TB ? nb - t0 : KQ_TB;
+            __m256 acc[KQ_TB];
+            for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+            for (long u = 0; u < U; u++) {
+                __m256i c[8], sv[8], mv, ac[8];
+                float dsum, dq;
+                const int has_q = super_block(TYPE, row + (size_t)bb * u, c, sv, &mv, &dsum, &dq);
+                if (TYPE == T_IQ4_XS)
+                    for (int g = 0; g < 8; g++) ac[g] = _mm256_sign_epi8(c[g], c[g]);
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *q = a->qs[t0 + t] + 256 * u;
+                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; g++) {
+                        __m256i x = _mm256_loadu_si256((const __m256i *)(q + 32 * g));
+                        __m256i p = TYPE == T_IQ4_XS ? _mm256_maddubs_epi16(ac[g], _mm256_sign_epi8(x, c[g]))
+                                                     : _mm256_maddubs_epi16(c[g], x);
+                        p = _mm256_madd_epi16(p, sv[g]);
+                        if (g & 1) s1 = _mm256_add_epi32(s1, p);
+                        else s0 = _mm256_add_epi32(s0, p);
+                    }
+                    const float dx = a->ds[t0 + t][u];
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_set1_ps(dsum * dx), acc[t]);
+                    if (has_q) {
+                        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs[t0 + t] + 16 * u));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mv, bs)), _mm256_set1_ps(dq * dx), acc[t]);
+                    }
+                }
+            }
+            for (int t = 0; t < nt; t++) ys[t0 + t][r] = hsum(acc[t]);
+        }
+    }
+}
+
+/* One copy per type (TYPE a constant in each). */
+AVX2 void kq_rows_avx2(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_acts *a,
+                       float *const *ys, int nb) {
+    switch (type) {
+    case T_Q4_1: small_rows(T_Q4_1, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_Q5_0: small_rows(T_Q5_0, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_Q5_1: small_rows(T_Q5_1, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_IQ4_NL: small_rows(T_IQ4_NL, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_Q2_K: super_rows(T_Q2_K, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_Q3_K: super_rows(T_Q3_K, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_Q4_K: super_rows(T_Q4_K, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_Q5_K: super_rows(T_Q5_K, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_Q6_K: super_rows(T_Q6_K, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_IQ4_XS: super_rows(T_IQ4_XS, W, rb, K, r0, r1, a, ys, nb); break;
+    }
+}
+
+#endif
