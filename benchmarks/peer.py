@@ -2,12 +2,16 @@
 
     python benchmarks/peer.py --build                 # once: llama-bench from the llama-cpp-python sdist
     python benchmarks/peer.py [--reps 5] [--tokens 64] [--types F16,Q8_0]
+    python benchmarks/peer.py --preset olmoe-1b-7b --types Q4_K_M,Q6_K,Q4_0 --settings uncapped
 
 llama.cpp is built from the llama.cpp vendored in the `llama-cpp-python` sdist on PyPI (cmake,
 about 8 minutes on 2 cores), cached outside the repository (--cache, default ~/.cache/s2moe-peer).
 The model is a random OLMoE-style model at a realistic width (hidden 1024, 32 experts top-4,
 intermediate 512, 4 layers, 16 heads: llama.cpp's OLMoE loader wants k_norm as wide as q), written
 as safetensors and converted by `s2moe convert` to each GGUF type; both programs read that file.
+With --preset, the model has a released model's shape (real_models.py: random blocks written
+directly, the K-quant mixes by llama-quantize), and llama.cpp runs as shipped (weights repacked)
+and with --repack 0; both are recorded, and the comparison takes the faster.
 
 Two settings, each in one run with alternating repetitions (programs take turns, so drift hits
 both alike), 2 threads each:
@@ -98,9 +102,22 @@ def sizes(path: str) -> dict:
             "file": os.path.getsize(path)}
 
 
-def llama_cmd(binary: str, path: str, tokens: int, threads: int, mmap: bool) -> list[str]:
+def real_models(cache: str, preset: str, types: list[str]) -> dict[str, str]:
+    from benchmarks.real_models import make
+
+    out = {}
+    for kind in types:
+        path = os.path.join(cache, f"{preset}-{kind.lower()}.gguf")
+        if not os.path.exists(path):
+            print(f"writing {path}", file=sys.stderr)
+            make(preset, kind, path, os.path.join(cache, "build", "bin", "llama-quantize"))
+        out[kind] = path
+    return out
+
+
+def llama_cmd(binary: str, path: str, tokens: int, threads: int, mmap: bool, repack: bool = True) -> list[str]:
     return [binary, "-m", path, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json",
-            "--load-mode", "mmap" if mmap else "none"]
+            "--load-mode", "mmap" if mmap else "none", "--repack", "1" if repack else "0"]
 
 
 def s2moe_cmd(path: str, tokens: int, threads: int, budget: int | None) -> list[str]:
@@ -134,12 +151,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--share", default="0.25", help="expert share in the cap formula")
     ap.add_argument("--settings", default="uncapped,capped")
+    ap.add_argument("--preset", help="a released model's shape (benchmarks/real_models.py), random weights")
     ap.add_argument("--out", default="docs/results/peer")
     args = ap.parse_args()
     if cgroups.available() is None:
         sys.exit("error: memory cgroups are not writable here; the capped setting needs them")
     binary = build(args.cache) if args.build else bench_binary(args.cache)
-    paths = models(args.cache, [t.strip() for t in args.types.split(",")])
+    types = [t.strip().upper() for t in args.types.split(",")]
+    paths = real_models(args.cache, args.preset, types) if args.preset else models(args.cache, types)
     records = []
     for kind, path in paths.items():
         size = sizes(path)
@@ -148,6 +167,8 @@ def main() -> None:
             "llama.cpp no-mmap": llama_cmd(binary, path, args.tokens, args.threads, False),
             "s2moe": s2moe_cmd(path, args.tokens, args.threads, None),
         }
+        if args.preset:  # its best setting: weights repacked for its SIMD (the default) or as stored
+            programs["llama.cpp mmap repack 0"] = llama_cmd(binary, path, args.tokens, args.threads, True, False)
         # each program's non-model baseline: uncapped peak minus the model bytes it held (all of them)
         baseline = {}
         for name, cmd in programs.items():
@@ -159,6 +180,7 @@ def main() -> None:
             print(f"{kind} {name}: uncapped peak {peak >> 20} MiB, baseline {baseline[name] >> 20} MiB ({outcome})",
                   file=sys.stderr)
         baseline["llama.cpp no-mmap"] = baseline["llama.cpp mmap"]
+        baseline["llama.cpp mmap repack 0"] = baseline.get("llama.cpp mmap repack 0", baseline["llama.cpp mmap"])
         share = float(args.share)
         for setting in args.settings.split(","):
             capped = setting == "capped"

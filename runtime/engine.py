@@ -123,6 +123,9 @@ def build_engine(
                        reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
                        draft_head=draft_head_bytes(loaded, draft_vocab, backend.on_device), staged_prefetches=slots if backend.on_device else 0)
     release_freed_memory_promptly()
+    for kind, (n, stored, decoded) in loaded.without_kernel().items():
+        _note(f"{n} {kind} tensors have no kernel: decoded to float32 at load, {fmt_bytes(decoded)} in memory "
+              f"for {fmt_bytes(stored)} stored (llama-quantize to a K-quant, or `s2moe convert --type Q8_0`, keeps them stored)")
     if backend.on_device and hasattr(backend, "limit_memory"):  # the budget binds on the device too;
         # slack for the pool's allocation rounding and cuBLAS workspaces
         backend.limit_memory(None if everything else int(plan.model_bytes * 1.05) + (32 << 20))

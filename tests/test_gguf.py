@@ -109,3 +109,33 @@ def test_gguf_tokenizer_round_trips(tiny_model_dirs, tmp_path):
     text = "def add(a, b):\n    return a + b  # ünïcode ✓"
     assert gguf_tok.encode(text).ids == hf_tok.encode(text).ids
     assert gguf_tok.decode(hf_tok.encode(text).ids) == text
+
+
+def test_a_type_without_a_kernel_is_named_once_with_its_cost(tmp_path, rng, tiny_tokenizer_json):
+    """IQ2_XXS (a rarer llama.cpp type) has no kernel: its experts are decoded to float32 at load,
+    and the run says so in one line with what it costs; the common types say nothing."""
+    from gguf import GGMLQuantizationType
+
+    from helpers import s2moe
+
+    torch_model = tm.build("olmoe", hidden=256, experts=4)
+    loaded = load_model(tm.save(torch_model, tmp_path / "hf"))
+    c = loaded.config
+    E, I, H = c.num_experts, c.expert_intermediate_size, c.hidden_size
+    overrides = {}
+    for L in range(c.num_layers):  # random IQ2_XXS blocks (66 bytes per 256), an f16 scale of 1e-3
+        raw = rng.integers(0, 256, (E * I * H // 256, 66), dtype=np.uint8)
+        raw[:, :2] = np.array([1e-3], np.float16).view(np.uint8)
+        overrides[f"blk.{L}.ffn_up_exps.weight"] = (raw.reshape(E, I, -1), GGMLQuantizationType.IQ2_XXS)
+    path = str(tmp_path / "iq2.gguf")
+    write_gguf(loaded, path, ExpertStore(loaded).read, "Q8_0", raw_overrides=overrides,
+               tokenizer_json=str(tiny_tokenizer_json))
+    assert load_model(path).without_kernel() == {"IQ2_XXS": (c.num_layers, c.num_layers * E * I * H // 256 * 66,
+                                                              c.num_layers * E * I * H * 4)}
+    code, _, err = s2moe("run", "--model", path, "--prompt", "hi", "-n", "2", "--method", "ar")
+    notes = [line for line in err.splitlines() if "no kernel" in line]
+    assert code == 0 and len(notes) == 1 and notes[0].startswith(f"note: {c.num_layers} IQ2_XXS tensors"), err
+    assert "decoded to float32 at load" in notes[0]
+    q8 = str(tmp_path / "q8.gguf")
+    write_gguf(loaded, q8, ExpertStore(loaded).read, "Q8_0")
+    assert load_model(q8).without_kernel() == {}

@@ -147,3 +147,39 @@ def test_llama_cpp_decodes_the_default_model_as_we_do(tmp_path):
     # ours must be its beginning, all 32 tokens of it
     assert [r["llama.cpp"][:len(r["s2moe"])] for r in rows] == [r["s2moe"] for r in rows]
     assert all(r["equal"] for r in rows)
+
+
+@pytest.mark.parametrize("preset", ["olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b"])
+def test_real_shape_benchmark_files_are_what_llama_cpp_and_s2moe_load(preset, tmp_path, monkeypatch):
+    """benchmarks/real_models.py, its presets scaled down (the real sizes are 4-26 GB, made by
+    benchmarks only): llama.cpp's tensor shapes, the stored type kept, each expert at its stored
+    bytes, and a run that decodes."""
+    import sys
+
+    from gguf import GGUFReader
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks import real_models
+    from helpers import s2moe
+
+    small = dict(real_models.PRESETS[preset], hidden=256, layers=2, experts=8, ffn=256, vocab=6144, ctx=256)
+    small["heads"], small["kv_heads"] = (4, small["kv_heads"] and min(small["kv_heads"], 4))
+    small["head_dim"] = 64
+    monkeypatch.setitem(real_models.PRESETS, preset, small)
+    for kind in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_0"):
+        path = str(tmp_path / f"{kind}.gguf")
+        real_models.write(preset, kind, path)
+        reader = GGUFReader(path)
+        shapes, optional = expected(reader)
+        found = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+        assert not sorted(set(shapes) - set(found) - optional) and found == {n: shapes[n] for n in found}, kind
+        g = load_model(path)
+        expert = g.experts[(1, 3)]
+        # (page-aligned tensors: an expert of whole pages is held at its stored size, as at real
+        # sizes; these small ones of 210- or 136-byte blocks end inside a page)
+        pages = 0 if kind in ("Q4_K", "Q4_0") else 3 * 4096
+        assert expert.storage_type == kind and 0 <= expert.resident_bytes - expert.stored_bytes < pages + 1, kind
+        assert g.without_kernel() == {}
+    code, out, err = s2moe("run", "--model", path, "--prompt", "hi", "-n", "4", "--method", "ar", "--json",
+                           "--ignore-eos", "--temperature", "0")
+    assert code == 0 and json.loads(out)["stats"]["generated_tokens"] == 4, err

@@ -96,6 +96,22 @@ class LoadedModel:
     # for every model that computes with these objects
     head_order: object | None = field(default=None, repr=False)  # a draft_head.HeadOrder
 
+    def without_kernel(self) -> dict[str, tuple[int, int, int]]:
+        """Block types whose weights have no kernel here (decoded to float32 at load): type →
+        (tensors, stored bytes, bytes as float32). Empty for every type llama.cpp's common mixes use."""
+        from ..kernels.stored import kernel_type
+
+        out: dict[str, list] = {}
+        refs = [r for s in self.dense_specs.values() for r in s.refs] + [r for e in self.experts.values() for r in e.refs]
+        for r in {(r.path, r.offset, r.nbytes): r for r in refs}.values():  # (one slice per expert of a merged tensor)
+            if r.dtype in ("F32", "U8") or len(r.shape) < 2 or kernel_type(r.dtype, r.shape[-1]):
+                continue
+            n = out.setdefault(r.dtype, [set(), 0, 0])
+            n[0].add((r.path, r.name.split("[")[0]))  # (an expert of a merged tensor: "name[e]")
+            n[1] += r.nbytes
+            n[2] += 4 * r.n_elements
+        return {k: (len(v[0]), v[1], v[2]) for k, v in out.items()}
+
     def load_dense(self, direct: bool = True) -> dict:
         """Read the dense part (once): O_DIRECT or buffered + dropped pages, stored encodings kept."""
         if not self.dense and self.dense_specs:
