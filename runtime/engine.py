@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .kernels import select_ops
 from .offload.memory import Budget, MemoryPlan, fmt_bytes, measured_peak, plan_memory, release_freed_memory_promptly
@@ -91,6 +91,7 @@ def build_engine(
     budget_from: str = "--budget",
     trim_hot: bool = False,
     draft_vocab: int = 0,
+    memory_limit: str | None = None,
 ) -> Engine:
     """``offload_tier``: "file" reads missing experts from the model file (Orin: SSD → pinned →
     device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device).
@@ -119,9 +120,21 @@ def build_engine(
     window = 4
     everything = parsed.full and experts_only is None
     slots = default_prefetch_slots(loaded.config, everything) if prefetch_slots is None else prefetch_slots
-    plan = plan_memory(loaded, parsed, kv_positions, experts_only, batch=batch, window=window,
-                       reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
-                       draft_head=draft_head_bytes(loaded, draft_vocab, backend.on_device), staged_prefetches=slots if backend.on_device else 0)
+
+    def make_plan(b: Budget):
+        return plan_memory(loaded, b, kv_positions, experts_only, batch=batch, window=window,
+                           reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
+                           draft_head=draft_head_bytes(loaded, draft_vocab, backend.on_device),
+                           staged_prefetches=slots if backend.on_device else 0)
+
+    plan = make_plan(parsed)
+    if memory_limit is not None and not backend.on_device:
+        limited = _plan_to_limit(plan, make_plan, memory_limit, budget, expert_budget)
+        if limited is not plan and limited.expert_capacity < plan.expert_capacity:  # the limit binds
+            everything, parsed = False, Budget(total_bytes=limited.model_bytes)  # (what reports name)
+            if prefetch_slots is None:  # (on the host the slots take no room of their own)
+                slots = default_prefetch_slots(loaded.config, False)
+        plan = limited
     release_freed_memory_promptly()
     for kind, (n, stored, decoded) in loaded.without_kernel().items():
         _note(f"{n} {kind} tensors have no kernel: decoded to float32 at load, {fmt_bytes(decoded)} in memory "
@@ -182,6 +195,37 @@ def draft_head_bytes(loaded: LoadedModel, n: int, on_device: bool = False) -> in
     if not on_device and head.keeps_stored:
         return 0
     return -(-head.resident_bytes(False) * n // loaded.config.vocab_size)
+
+
+def _plan_to_limit(plan, make_plan, memory_limit: str, budget, expert_budget):
+    """The plan under the process's memory limit (limits.py): ``plan`` itself where there is none
+    or a budget was given, the same plan with the limit's facts where the model fits, else the
+    plan for the limit's room."""
+    from .offload.limits import find_headroom
+
+    explicit = memory_limit.strip().lower() not in ("auto", "none")
+    if explicit and (budget is not None or expert_budget is not None):
+        raise UsageError("--memory-limit and --budget both bound the plan: give one of them")
+    room = find_headroom(memory_limit)
+    if room is None or budget is not None or expert_budget is not None:
+        return plan
+    facts = {"source": room.source, "limit_bytes": room.limit, "in_use_bytes": room.in_use,
+             "model_budget_bytes": room.model_budget()}
+    if plan.model_bytes <= room.model_budget():
+        if explicit:
+            _note(f"memory limit {fmt_bytes(room.limit)} ({room.source}), {fmt_bytes(room.in_use)} in use: "
+                  f"the whole model fits ({fmt_bytes(plan.model_bytes)})")
+        return replace(plan, limit=facts)
+    rest = plan.model_bytes - plan.expert_capacity
+    if rest > room.model_budget():
+        raise UsageError(f"memory limit {fmt_bytes(room.limit)} ({room.source}) with {fmt_bytes(room.in_use)} in use "
+                         f"leaves {fmt_bytes(room.model_budget())} for the model; its dense part, KV cache and "
+                         f"workspace need {fmt_bytes(rest)}: raise the limit by {fmt_bytes(rest - room.model_budget())} "
+                         "or more, or shorten the run (-n, the prompt)")
+    limited = replace(make_plan(Budget(total_bytes=room.model_budget())), limit=facts)
+    _note(f"memory limit {fmt_bytes(room.limit)} ({room.source}), {fmt_bytes(room.in_use)} in use: planning "
+          f"{fmt_bytes(limited.model_bytes)} for the model, {limited.expert_share:.0%} of experts resident")
+    return limited
 
 
 def _note(message: str) -> None:

@@ -219,3 +219,36 @@ def test_convert_streams_in_about_one_tensor_of_memory(wide_model, tmp_path, mea
     peak = _peak(cli + ["convert", "--model", wide_model, "--out", str(tmp_path / "w.gguf"), "--type", "Q8_0"])
     print(f"convert peak {peak >> 20} MiB, interpreter {baseline >> 20} MiB ({measure})")
     assert peak - baseline <= 100 << 20
+
+
+@pytest.mark.skipif(MEASURE != "cgroup", reason="memory cgroups are not writable here: the limit must be real")
+def test_a_run_under_a_cgroup_limit_plans_to_it_and_is_never_killed(wide_model):
+    """No flags: `s2moe run` finds its memory cgroup's limit and plans to what it leaves. Under caps
+    of the run's own overhead + 100 / 50 / 25 / 10 % of the model's size none is OOM-killed: each
+    decodes within the cap, saying in one line what it found and planned, or (where the dense part
+    cannot fit) is refused in one line that says by how much to raise the limit."""
+    cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", wide_model, "--prompt", "def fibonacci(n):",
+           "-n", "16", "--method", "ar", "--temperature", "0", "--json"]
+    free = cgroups.run_in_cgroup(cmd, timeout=300)
+    assert free.returncode == 0, free.stderr
+    plan = json.loads(free.stdout)["stats"]["offload"]["memory"]
+    assert plan["expert_share"] == 1.0 and "memory limit" not in free.stderr  # no limit: as before
+    size = plan["dense_bytes"] + plan["expert_capacity_bytes"]
+    overhead = free.peak_bytes - size  # the interpreter, KV and workspace, as the cgroup charged them
+    outcomes = {}
+    for share in (1.0, 0.5, 0.25, 0.1):
+        cap = overhead + int(share * size)
+        r = cgroups.run_in_cgroup(cmd, limit_bytes=cap, timeout=300)
+        assert not r.oom_killed and r.returncode in (0, 2), (share, r.stderr[-500:])
+        if r.returncode == 2:  # refused: one line, with the fix
+            assert r.stderr.count("\n") == 1 and "raise the limit by" in r.stderr and "cgroup" in r.stderr, r.stderr
+            outcomes[share] = None
+            continue
+        got = json.loads(r.stdout)["stats"]["offload"]["memory"]
+        notes = [line for line in r.stderr.splitlines() if line.startswith("note: memory limit")]
+        assert len(notes) == 1 and "cgroup" in notes[0] and "planning" in notes[0], r.stderr
+        assert got["limit"]["limit_bytes"] == cap // 4096 * 4096 and r.peak_bytes <= cap  # (the kernel keeps pages)
+        outcomes[share] = got["expert_share"]
+    decoded = [outcomes[s] for s in (1.0, 0.5, 0.25, 0.1) if outcomes[s] is not None]
+    assert outcomes[1.0] and outcomes[0.5] and decoded == sorted(decoded, reverse=True), outcomes
+    assert outcomes[0.1] is None  # 10 % of the model is less than its dense part: refused, not killed

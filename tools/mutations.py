@@ -257,6 +257,15 @@ CORE: list[Mutation] = [
              "                    const int8_t *q = a->qs[t0 + t] + 256 * u;\n",
              "                    const int8_t *q = a->qs[t0] + 256 * u;\n",
              ["tests/test_kernels.py", "-k", "own_bits"], "every token of a batch multiplies the first token's codes"),
+    # planning to the process's memory limit (runtime/offload/limits.py, runtime/engine.py)
+    Mutation("limit-loosest-level", "runtime/offload/limits.py", "return min(found, key=lambda h: h.free) if found else None",
+             "return max(found, key=lambda h: h.free) if found else None", ["tests/test_limits.py"],
+             "a nested cgroup's roomier level is taken over its parent's tighter one"),
+    Mutation("limit-ignores-what-is-held", "runtime/offload/limits.py", "return max(0, self.limit - self.in_use)",
+             "return self.limit", ["tests/test_limits.py"], "the plan takes the whole limit, not what is left of it"),
+    Mutation("limit-not-applied", "runtime/engine.py", "    limited = replace(make_plan(Budget(total_bytes=room.model_budget())), limit=facts)",
+             "    return replace(plan, limit=facts)", ["tests/test_memory.py", "-k", "cgroup_limit"],
+             "a model larger than its cgroup's limit is planned whole (and killed)"),
     # plain rows that are not whole groups, and the SIMD attention (csrc/cpu/dot.c, attend.c)
     Mutation("plain-tail-off-by-8", "csrc/cpu/dot.c", "__m256 w8 = load_plain8(TYPE, row, k8);",
              "__m256 w8 = load_plain8(TYPE, row, k8 > 8 ? k8 - 8 : k8);",

@@ -51,6 +51,7 @@ def run(
     sampler: str = typer.Option("auto", "--sampler", help="Sampled speculation: coupled (a seed gives AR's text whatever was drafted), standard (accepts more; the text can follow draft decisions) or auto (coupled with --seed, else standard)."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget for the model (dense + experts + KV + workspace): 16g, 512m, or a share of the experts (0.25) on top of the rest. Default: everything resident."),
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Memory for resident experts only (same forms as --budget)."),
+    memory_limit: str = typer.Option("auto", "--memory-limit", help="Memory for the whole process (16g, 512m); the plan takes it less what the process holds. auto (default): the memory cgroup's limit, else MemAvailable, where the model does not fit; none: off. A --budget given instead wins over auto."),
     kernels: str = typer.Option("auto", "--kernels", help="auto (compiled CPU kernels when built), cpu, or numpy (the reference path)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads (default: the cores this process may use)."),
     hot_experts: Optional[str] = typer.Option(None, "--hot-experts", help='Pinned experts, JSON {"gpu_experts": [[layer, expert], ...]}.'),
@@ -110,7 +111,8 @@ def run(
                              batch=max(len(ids) if len(ids) < 64 else 64, 1 + 2 * settings.draft_cap),
                              cache_policy=cache_policy, emulate_bandwidth=emulate_bandwidth,
                              emulate_latency=emulate_latency, offload_tier=offload_tier,
-                             expert_budget=expert_budget, kernels=kernels, threads=threads)
+                             expert_budget=expert_budget, kernels=kernels, threads=threads,
+                             memory_limit=memory_limit)
         costs = chosen.profile.costs if chosen.profile is not None else None
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
             costs = estimate_costs(engine.model, ids, settings_policy(settings),
@@ -248,9 +250,11 @@ def fit_context(prompt_tokens: int, max_tokens: int, context: int) -> int:
 
 
 def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch: int, *, cache_policy: str,
-                emulate_bandwidth, emulate_latency: float, offload_tier, expert_budget, kernels: str, threads):
+                emulate_bandwidth, emulate_latency: float, offload_tier, expert_budget, kernels: str, threads,
+                memory_limit: str = "auto"):
     """The engine for one model and method as `run`, `serve` and `bench` build it: the profile's tier
-    and fetch threads unless flags say otherwise, prefetch slots only where drafts predict."""
+    and fetch threads unless flags say otherwise, prefetch slots only where drafts predict, planned
+    to the process's memory limit where no budget is given (offload/limits.py)."""
     from ..engine import build_engine, engine_tier
 
     device = (chosen.profile.data.get("device") or {}) if chosen.profile is not None else {}
@@ -262,7 +266,7 @@ def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch
                           kernels=kernels, threads=threads, preload=True, budget_from=chosen.budget_from,
                           trim_hot=chosen.trim_hot, batch=batch,
                           prefetch_slots=settings.slots_for(spec),
-                          draft_vocab=0 if spec.admit == "none" else settings.draft_vocab)
+                          draft_vocab=0 if spec.admit == "none" else settings.draft_vocab, memory_limit=memory_limit)
     if engine.model.ops.reason.startswith("auto: the compiled"):
         say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")
     if engine.emulation.active:

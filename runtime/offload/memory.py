@@ -125,6 +125,7 @@ class MemoryPlan:
     expert_stored: int = 0  # all experts as stored in the file
     baseline_bytes: int = 0  # interpreter, libraries, tokenizer: measured before loading
     work: Workspace | None = field(default=None, compare=False)
+    limit: dict | None = field(default=None, compare=False)  # the process limit planned to (limits.py)
 
     @property
     def model_bytes(self) -> int:
@@ -148,6 +149,8 @@ class MemoryPlan:
         if self.work is not None:
             out["workspace"] = {k: getattr(self.work, k) for k in
                                 ("activations", "attention", "logits", "experts", "streaming", "reference")}
+        if self.limit is not None:
+            out["limit"] = self.limit
         return out
 
 
