@@ -120,6 +120,27 @@ def llama_cmd(binary: str, path: str, tokens: int, threads: int, mmap: bool, rep
             "--load-mode", "mmap" if mmap else "none", "--repack", "1" if repack else "0"]
 
 
+def first_token_cmds(cache: str, path: str, threads: int) -> dict[str, list[str]]:
+    """One token from a prompt, from a cold start: llama.cpp's llama-completion (as shipped, and with
+    --no-repack) and s2moe run (its whole load: at full budget it reads every expert first)."""
+    completion = os.path.join(cache, "build", "bin", "llama-completion")
+    llama = [completion, "-m", path, "-p", PROMPT, "-n", "1", "-t", str(threads), "--temp", "0", "-no-cnv",
+             "--simple-io", "--no-warmup"]
+    return {"llama.cpp mmap": llama, "llama.cpp mmap repack 0": llama + ["--no-repack"],
+            "s2moe": s2moe_cmd(path, 1, threads, None)}
+
+
+def first_token_seconds(cmd: list[str], path: str) -> tuple[float | None, str]:
+    """Wall seconds from launch to exit of a one-token run, the file's pages dropped first."""
+    import time
+
+    cgroups.drop_page_cache(path)
+    start = time.perf_counter()
+    r = cgroups.run_in_cgroup(cmd, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    seconds = time.perf_counter() - start
+    return (seconds, "ok") if r.returncode == 0 else (None, f"exit {r.returncode}")
+
+
 def s2moe_cmd(path: str, tokens: int, threads: int, budget: int | None) -> list[str]:
     cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", path, "--prompt", PROMPT, "-n", str(tokens),
            "--method", "ar", "--temperature", "0", "--threads", str(threads), "--json", "--ignore-eos"]
@@ -150,7 +171,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--share", default="0.25", help="expert share in the cap formula")
-    ap.add_argument("--settings", default="uncapped,capped")
+    ap.add_argument("--settings", default="uncapped,capped", help="uncapped, capped, first-token (cold start, 1 token)")
     ap.add_argument("--preset", help="a released model's shape (benchmarks/real_models.py), random weights")
     ap.add_argument("--out", default="docs/results/peer")
     args = ap.parse_args()
@@ -171,7 +192,8 @@ def main() -> None:
             programs["llama.cpp mmap repack 0"] = llama_cmd(binary, path, args.tokens, args.threads, True, False)
         # each program's non-model baseline: uncapped peak minus the model bytes it held (all of them)
         baseline = {}
-        for name, cmd in programs.items():
+        speeds = [x for x in args.settings.split(",") if x != "first-token"]
+        for name, cmd in programs.items() if speeds else ():
             if name == "llama.cpp no-mmap":  # its buffered read also fills the page cache: the
                 continue  # non-model part is the mmap run's (same program, same buffers)
             _, peak, outcome = run(cmd, None, path)
@@ -179,10 +201,25 @@ def main() -> None:
             baseline[name] = max(peak - held, 0) if peak else 0
             print(f"{kind} {name}: uncapped peak {peak >> 20} MiB, baseline {baseline[name] >> 20} MiB ({outcome})",
                   file=sys.stderr)
-        baseline["llama.cpp no-mmap"] = baseline["llama.cpp mmap"]
-        baseline["llama.cpp mmap repack 0"] = baseline.get("llama.cpp mmap repack 0", baseline["llama.cpp mmap"])
+        baseline["llama.cpp no-mmap"] = baseline.get("llama.cpp mmap", 0)
+        baseline["llama.cpp mmap repack 0"] = baseline.get("llama.cpp mmap repack 0", baseline["llama.cpp no-mmap"])
         share = float(args.share)
-        for setting in args.settings.split(","):
+        if "first-token" in args.settings.split(","):  # alternating, every program from a cold page cache
+            cmds = first_token_cmds(args.cache, path, args.threads)
+            seconds = {n: [] for n in cmds}
+            outcomes = {n: [] for n in cmds}
+            for _ in range(args.reps):
+                for name, cmd in cmds.items():
+                    sec, outcome = first_token_seconds(cmd, path)
+                    outcomes[name].append(outcome)
+                    if sec is not None:
+                        seconds[name].append(sec)
+            for name in cmds:
+                records.append(Record("peer", f"{kind} first-token {name}", "s", seconds[name],
+                                      params={"type": kind, "setting": "first-token", "program": name,
+                                              "threads": args.threads, "model": os.path.basename(path), **size},
+                                      extra={"outcomes": outcomes[name]}))
+        for setting in speeds:
             capped = setting == "capped"
             cmds = dict(programs)
             limits = {n: baseline[n] + size["dense_stored"] + int(share * size["expert_stored"]) for n in cmds}
