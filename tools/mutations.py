@@ -266,6 +266,8 @@ CORE: list[Mutation] = [
     Mutation("limit-not-applied", "runtime/engine.py", "    limited = replace(make_plan(Budget(total_bytes=room.model_budget())), limit=facts)",
              "    return replace(plan, limit=facts)", ["tests/test_memory.py", "-k", "cgroup_limit"],
              "a model larger than its cgroup's limit is planned whole (and killed)"),
+    Mutation("blas-threads-unlimited", "runtime/kernels/cpu.py", "    threadpool_limits(1, user_api=\"blas\")", "    pass",
+             ["tests/test_kernels.py", "-k", "blas"], "OpenBLAS keeps its spinning threads beside the kernels' pool"),
     # plain rows that are not whole groups, and the SIMD attention (csrc/cpu/dot.c, attend.c)
     Mutation("plain-tail-off-by-8", "csrc/cpu/dot.c", "__m256 w8 = load_plain8(TYPE, row, k8);",
              "__m256 w8 = load_plain8(TYPE, row, k8 > 8 ? k8 - 8 : k8);",
