@@ -394,30 +394,38 @@ def test_int8_activations_quantise_like_the_reference_and_cost_little(rng):
             _cpu.act_q8(1)
 
 
-@pytest.mark.parametrize("simd", [True, False])
-def test_block_rows_give_a_token_its_own_bits_in_any_batch(simd, rng):
+@pytest.mark.parametrize("path", ["avx512", "avx2", "portable"])
+def test_block_rows_give_a_token_its_own_bits_in_any_batch(path, rng):
     """kquant.c: a token's result does not depend on the tokens beside it (verification batches
     then give each token its decode pass's bits: greedy speculation equals AR), nor on the rows
-    computed with it (the thread split)."""
+    computed with it (the thread split). On AVX-512 a batch of the K-quants takes tiles of rows ×
+    tokens (kquant_avx2.c `kq_tiles`) and one token the row loop: 70 tokens cross a call's 64, and
+    tiles of four, rows and tokens, with a rest of each."""
     from s2moe import _cpu
 
-    if simd and not _cpu.use_simd(True):
+    if path != "portable" and not _cpu.use_simd(True):
         pytest.skip("this CPU has no AVX2+FMA+F16C: only the portable path exists here")
-    _cpu.use_simd(simd)
+    if path == "avx512" and not _cpu.use_avx512(1):
+        pytest.skip("this CPU has no AVX-512 (F, BW, VL): the avx2 case covers its rows")
+    _cpu.use_simd(path != "portable")
+    _cpu.use_avx512(path == "avx512")
     try:
         for dtype in RUN_TYPES:
-            W = random_matrix(rng, dtype, 40, 512)
-            x = rng.standard_normal((11, 512)).astype(np.float32)
-            batch = np.empty((11, 40), np.float32)
-            _cpu.matmul(W.data, W.type_id, 40, 512, x, batch)
-            for t in (0, 5, 10):
-                alone = np.empty((1, 40), np.float32)
-                _cpu.matmul(W.data, W.type_id, 40, 512, x[t:t + 1].copy(), alone)
+            W = random_matrix(rng, dtype, 42, 512)
+            x = rng.standard_normal((70, 512)).astype(np.float32)
+            batch = np.empty((70, 42), np.float32)
+            _cpu.matmul(W.data, W.type_id, 42, 512, x, batch)
+            for t in (0, 5, 10, 66, 69):
+                alone = np.empty((1, 42), np.float32)
+                _cpu.matmul(W.data, W.type_id, 42, 512, x[t:t + 1].copy(), alone)
                 np.testing.assert_array_equal(alone[0], batch[t], err_msg=dtype)
-            part = np.empty((11, 7), np.float32)
-            _cpu.matmul(W.rows(slice(9, 16)).data, W.type_id, 7, 512, x, part)
-            np.testing.assert_array_equal(part, batch[:, 9:16], err_msg=dtype)
+            for lo, hi in ((9, 16), (1, 42)):
+                part = np.empty((11, hi - lo), np.float32)
+                _cpu.matmul(W.rows(slice(lo, hi)).data, W.type_id, hi - lo, 512, x[3:14].copy(), part)
+                np.testing.assert_array_equal(part, batch[3:14, lo:hi], err_msg=dtype)
+            assert rel_err(batch, ReferenceOps().linear(x, W)) <= REL, dtype
     finally:
+        _cpu.use_avx512(1)
         _cpu.use_simd(True)
 
 

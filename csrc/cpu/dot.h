@@ -25,8 +25,9 @@ int dot_act_q8(int on);
 /* One token against plain rows four at a time (1, the default) or one at a time (0): the same bits,
  * a switch for benchmarks and tests; -1 asks. */
 int dot_rows4(int on);
-/* Plain rows (F32, F16, BF16) on AVX-512 (dot512.c) where the CPU has it: want 1 (the default) or 0
- * (AVX2's sums, for tests and benchmarks); -1 asks. Returns the choice. */
+/* AVX-512 where the CPU has it (F, BW, VL): plain rows (F32, F16, BF16, dot512.c) and the K-quants'
+ * batches in tiles of rows × tokens (kquant_avx2.c, the same bits as AVX2's). want 1 (the default)
+ * or 0 (AVX2 alone, for tests and benchmarks); -1 asks. Returns the choice. */
 int dot_use_avx512(int want);
 /* dot512.c: whether this build and CPU have its path, and its rows (`four`: one token four rows at a time). */
 int dot512_available(void);

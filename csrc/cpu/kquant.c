@@ -3,21 +3,20 @@
  * (almost all carry Q6_K: the output head, attn_v, half the ffn_down), so each must run on its
  * stored blocks, not on float32 copies four to eight times their size.
  *
- * One scheme serves every type. A row is taken 256 values at a time (a K-quant super-block, or
- * eight 32-value blocks) and unpacked in registers and L1 into
+ * The scheme, in this file's portable form (kquant_avx2.c keeps the codes in registers and the
+ * sums in integers): a row is taken 256 values at a time (a K-quant super-block, or eight 32-value
+ * blocks) and unpacked into
  *     c[256]  int8 codes,   s[16], m[16]  the scale and offset of each run of 16,
- * so that w = s·c + m (Q6_K: c = q − 32, s = d·sc, m = 0; Q4_K: c = q, s = d·sc, m = −dmin·mn; …).
- * The unpacking is shared by every token of the batch. Activations are int8 blocks of 32 with a
- * float scale dx (the same quantisation as the Q8_0 / Q4_0 kernels, dot.c), so
+ * so that w = s·c + m (Q6_K: c = q − 32, s = d·sc, m = 0; Q4_K: c = q, s = d·sc, m = −dmin·mn; …),
+ * once for every token of the batch. Activations are int8 with a float scale dx per block: of 256
+ * values against the super-block types (as llama.cpp's q8_K), of 32 against the others (as its
+ * q8_0), so
  *     W[r]·x = Σ_runs dx · (s · Σ c·q + m · Σ q).
- * llama.cpp's CPU backend uses q8_K (one scale per 256) for the K-quants; blocks of 32 keep one
- * activation format for every int8 type, follow the activations' range more closely, and cost one
- * convert and FMA per 32 weights. The integer sums are AVX2's maddubs (|c| · (q with c's sign), at
- * most 2 · 127 · 127 per pair: no saturation) or one VNNI instruction, the same integers.
+ * This file also holds the activations' quantiser and the row decoding (embedding lookups).
  *
  * A token's sums are taken in the same order whatever the batch and the rows beside it, so a
  * token's bits in a verification batch are its own decode pass's (greedy speculation equals AR).
- * stored.py `int8_rows_product` is the NumPy reference; its decoders are held to gguf.quants.
+ * stored.py `int8_runs_product` is the NumPy reference; its decoders are held to gguf.quants.
  */
 #include "kquant.h"
 
@@ -67,9 +66,8 @@ static inline __attribute__((always_inline)) void fives32(const uint8_t *qs, uin
 }
 
 /* Unit u of a row (values 256u .. 256u + 32·ng) into k; returns whether it has offsets (m ≠ 0).
- * Written once in plain C: inlined into the AVX2 functions, the compiler vectorises the loops. */
+ * The portable path's unpacking, and the rows' decoding (kquant_avx2.c unpacks into registers). */
 static inline __attribute__((always_inline)) int kq_unpack(int type, const uint8_t *row, long u, int ng, kq_unit *k) {
-    int has_min = 0;
     for (int j = 2 * ng; j < 16; j++) k->s[j] = k->m[j] = 0.0f;
     switch (type) {
     case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {
@@ -164,7 +162,6 @@ static inline __attribute__((always_inline)) int kq_unpack(int type, const uint8
         return 0;
     }
     }
-    (void)has_min;
     return 0;
 }
 

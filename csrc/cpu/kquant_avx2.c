@@ -264,9 +264,114 @@ INLINE_AVX2 void super_rows(const int TYPE, const uint8_t *W, size_t rb, long K,
     }
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* the super-blocks against a batch, on AVX-512's 32 registers                                */
+
+/* A prompt's chunk or a verification meets each row many times: the products, not memory, bound
+ * it. super_rows unpacks a row's super-block again for every eight tokens and keeps codes and
+ * scales in memory (AVX2 has 16 registers); at 64 tokens it ran at 60 G products/s, a third of
+ * the two ports' maddubs + madd. Here a tile of KT_R rows × KT_T tokens keeps its 16 integer sums
+ * in registers (AVX-512VL: 32 of them, 256 bits wide, so the multiplies keep both ports, which
+ * 512-bit ones would not), each code vector is loaded once for KT_T tokens and each token's
+ * vector once for KT_R rows, and a super-block is unpacked once for the whole batch.
+ * The integer sums are super_rows' (exact, whatever their grouping), and each (row, token) takes
+ * its float steps in super_rows' order: the same bits, whatever the batch. Unsigned codes only
+ * (IQ4_XS keeps super_rows and its sign trick). */
+#define AVX512VL __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+#define INLINE_AVX512VL static inline __attribute__((always_inline, target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
+#define KT_R 4     /* rows of a tile */
+#define KT_T 4     /* tokens of a tile */
+#define KT_MAX 64  /* tokens a call takes at once (its float sums stay on the stack) */
+
+typedef struct {
+    __m256i c[KT_R][8], sv[KT_R][8], mv[KT_R];
+    float dsum[KT_R], dq[KT_R];
+    int has_q;
+} kt_unit;
+
+/* NR rows × NT tokens (from token t) of unpacked unit u, into acc[row][token]. */
+INLINE_AVX512VL void kt_tile(const int NR, const int NT, const kt_unit *k, const kq_acts *a, int t, long u,
+                             __m256 (*acc)[KT_MAX]) {
+    __m256i s[KT_R][KT_T];
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) s[i][j] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        __m256i x[KT_T];
+        for (int j = 0; j < NT; j++) x[j] = _mm256_loadu_si256((const __m256i *)(a->qs[t + j] + 256 * u + 32 * g));
+        for (int i = 0; i < NR; i++) {
+            const __m256i c = k->c[i][g], sv = k->sv[i][g];
+            for (int j = 0; j < NT; j++)
+                s[i][j] = _mm256_add_epi32(s[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(c, x[j]), sv));
+        }
+    }
+    for (int j = 0; j < NT; j++) {
+        const float dx = a->ds[t + j][u];
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs[t + j] + 16 * u));
+        for (int i = 0; i < NR; i++) {
+            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][j]), _mm256_set1_ps(k->dsum[i] * dx), acc[i][t + j]);
+            if (k->has_q)
+                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(k->mv[i], bs)), _mm256_set1_ps(k->dq[i] * dx), v);
+            acc[i][t + j] = v;
+        }
+    }
+}
+
+INLINE_AVX512VL void kt_rows(const int TYPE, const int NR, const uint8_t *W, size_t rb, long K, long r, const kq_acts *a,
+                             float *const *ys, int t0, int nt) {
+    const long U = K / 256;
+    const int bb = block_bytes(TYPE);
+    __m256 acc[KT_R][KT_MAX];
+    kt_unit k;
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm256_setzero_ps();
+    for (long u = 0; u < U; u++) {
+        for (int i = 0; i < NR; i++) {
+            const uint8_t *b = W + (size_t)(r + i) * rb + (size_t)bb * u;
+            for (int o = 0; o < bb; o += 64) _mm_prefetch((const char *)b + (size_t)bb * KQ_AHEAD + o, _MM_HINT_T0);
+            k.has_q = super_block(TYPE, b, k.c[i], k.sv[i], &k.mv[i], &k.dsum[i], &k.dq[i]);
+        }
+        const kq_acts at = {a->qs + t0, a->ds + t0, a->bs + t0};
+        int t = 0;
+        for (; t + KT_T <= nt; t += KT_T) kt_tile(NR, KT_T, &k, &at, t, u, acc);
+        switch (nt - t) {
+        case 1: kt_tile(NR, 1, &k, &at, t, u, acc); break;
+        case 2: kt_tile(NR, 2, &k, &at, t, u, acc); break;
+        case 3: kt_tile(NR, 3, &k, &at, t, u, acc); break;
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < nt; j++) ys[t0 + j][r + i] = hsum(acc[i][j]);
+}
+
+INLINE_AVX512VL void kt_rows_all(const int TYPE, const uint8_t *W, size_t rb, long K, long r0, long r1,
+                                 const kq_acts *a, float *const *ys, int nb) {
+    for (int t0 = 0; t0 < nb; t0 += KT_MAX) {
+        const int nt = nb - t0 < KT_MAX ? nb - t0 : KT_MAX;
+        long r = r0;
+        for (; r + KT_R <= r1; r += KT_R) kt_rows(TYPE, KT_R, W, rb, K, r, a, ys, t0, nt);
+        for (; r < r1; r++) kt_rows(TYPE, 1, W, rb, K, r, a, ys, t0, nt);
+    }
+}
+
+/* Whether the tiles take this call: AVX-512VL+BW in use, a type with unsigned codes, and a batch
+ * (one token's rows come from memory: super_rows and its prefetch serve it). */
+AVX512VL static int kq_tiles(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_acts *a,
+                             float *const *ys, int nb) {
+    if (nb < KT_T || !dot_use_avx512(-1)) return 0;
+    switch (type) {
+    case T_Q2_K: kt_rows_all(T_Q2_K, W, rb, K, r0, r1, a, ys, nb); return 1;
+    case T_Q3_K: kt_rows_all(T_Q3_K, W, rb, K, r0, r1, a, ys, nb); return 1;
+    case T_Q4_K: kt_rows_all(T_Q4_K, W, rb, K, r0, r1, a, ys, nb); return 1;
+    case T_Q5_K: kt_rows_all(T_Q5_K, W, rb, K, r0, r1, a, ys, nb); return 1;
+    case T_Q6_K: kt_rows_all(T_Q6_K, W, rb, K, r0, r1, a, ys, nb); return 1;
+    }
+    return 0;
+}
+
 /* One copy per type (TYPE a constant in each). */
 AVX2 void kq_rows_avx2(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_acts *a,
                        float *const *ys, int nb) {
+    if (kq_tiles(type, W, rb, K, r0, r1, a, ys, nb)) return;
     switch (type) {
     case T_Q4_1: small_rows(T_Q4_1, W, rb, K, r0, r1, a, ys, nb); break;
     case T_Q5_0: small_rows(T_Q5_0, W, rb, K, r0, r1, a, ys, nb); break;
