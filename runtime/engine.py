@@ -31,6 +31,7 @@ class Engine:
 
     def report(self) -> dict:
         r = {"budget": self.budget.describe(), "memory": self.plan.to_dict(), "cache": self.cache.report(),
+             "prefill_chunk": self.model.prefill_chunk,
              "measured": measured_peak(),
              "kernels": {"name": self.model.ops.name, "reason": self.model.ops.reason,
                          "path": getattr(self.model.ops, "path", "numpy"),
@@ -92,6 +93,7 @@ def build_engine(
     trim_hot: bool = False,
     draft_vocab: int = 0,
     memory_limit: str | None = None,
+    prompt_tokens: int = 0,
 ) -> Engine:
     """``offload_tier``: "file" reads missing experts from the model file (Orin: SSD → pinned →
     device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device).
@@ -121,7 +123,7 @@ def build_engine(
     everything = parsed.full and experts_only is None
     slots = default_prefetch_slots(loaded.config, everything) if prefetch_slots is None else prefetch_slots
 
-    def make_plan(b: Budget):
+    def make_plan(b: Budget, batch=batch):
         return plan_memory(loaded, b, kv_positions, experts_only, batch=batch, window=window,
                            reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
                            draft_head=draft_head_bytes(loaded, draft_vocab, backend.on_device),
@@ -135,6 +137,12 @@ def build_engine(
             if prefetch_slots is None:  # (on the host the slots take no room of their own)
                 slots = default_prefetch_slots(loaded.config, False)
         plan = limited
+    chunk = wide_prefill_chunk(plan, prompt_tokens, batch, ops, backend)
+    if chunk:  # a prompt in wider passes, planned so, where every expert still fits
+        wide = make_plan(parsed, chunk)
+        if memory_limit is not None:
+            wide = _plan_to_limit(wide, lambda b: make_plan(b, chunk), memory_limit, budget, expert_budget)
+        chunk, plan = (chunk, wide) if wide.expert_capacity >= wide.expert_total else (0, plan)
     release_freed_memory_promptly()
     for kind, (n, stored, decoded) in loaded.without_kernel().items():
         _note(f"{n} {kind} tensors have no kernel: decoded to float32 at load, {fmt_bytes(decoded)} in memory "
@@ -176,7 +184,22 @@ def build_engine(
                         window=window, prefetch_slots=0 if full else slots)
     if preload and full:
         _preload(cache, sorted(loaded.experts))
-    return Engine(loaded, MoEModel(loaded, cache, backend, ops), cache, plan, parsed, emulation)
+    model = MoEModel(loaded, cache, backend, ops)
+    if chunk:
+        model.prefill_chunk = chunk
+    return Engine(loaded, model, cache, plan, parsed, emulation)
+
+
+def wide_prefill_chunk(plan, prompt_tokens: int, batch: int | None, ops, backend) -> int:
+    """The prompt chunk past forward.py's PREFILL_CHUNK that this run may take (0: none): the CPU
+    kernels, every expert resident, and a prompt longer than a chunk. Under a budget the wider
+    workspace would take expert slots, and a pass that reads experts is bound by the reads."""
+    from .model.forward import PREFILL_CHUNK, WIDE_PREFILL_CHUNK
+
+    if (prompt_tokens <= max(PREFILL_CHUNK, batch or 0) or ops.name != "cpu" or backend.on_device
+            or plan.expert_capacity < plan.expert_total):
+        return 0
+    return min(prompt_tokens, WIDE_PREFILL_CHUNK)
 
 
 def default_prefetch_slots(config, everything_resident: bool) -> int:

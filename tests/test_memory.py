@@ -252,3 +252,62 @@ def test_a_run_under_a_cgroup_limit_plans_to_it_and_is_never_killed(wide_model):
     decoded = [outcomes[s] for s in (1.0, 0.5, 0.25, 0.1) if outcomes[s] is not None]
     assert outcomes[1.0] and outcomes[0.5] and decoded == sorted(decoded, reverse=True), outcomes
     assert outcomes[0.1] is None  # 10 % of the model is less than its dense part: refused, not killed
+
+
+def _long_prompt(tmp_path, tokens: int) -> str:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(str(DEFAULT_MODEL), "tokenizer.json"))
+    source = open(os.path.join(os.path.dirname(__file__), "test_memory.py"), encoding="utf-8").read()
+    path = tmp_path / "prompt.txt"
+    path.write_text(tok.decode(tok.encode(source * 4).ids[:tokens]), encoding="utf-8")
+    return str(path)
+
+
+def test_a_long_prompt_runs_in_wide_chunks_only_where_every_expert_fits(wide_model):
+    """At full budget a prompt runs in passes of up to 512 tokens (forward.py WIDE_PREFILL_CHUNK),
+    its workspace planned so; under a budget it stays in passes of 64, whose workspace leaves the
+    experts their room. Either way a token's logits are the same bits (the kernels give a token
+    its own bits in any batch, and attention reads the same cache)."""
+    from s2moe.runtime.engine import build_engine
+    from s2moe.runtime.model.forward import PREFILL_CHUNK
+
+    ids = np.random.default_rng(0).integers(0, 8192, 300)
+    full = build_engine(wide_model, "1.0", kv_positions=320, batch=64, kernels="cpu", prompt_tokens=ids.size,
+                        memory_limit=None)
+    narrow = build_engine(wide_model, "1.0", kv_positions=320, batch=64, kernels="cpu", memory_limit=None)
+    capped = build_engine(wide_model, "0.25", kv_positions=320, batch=64, kernels="cpu", prompt_tokens=ids.size,
+                          memory_limit=None)
+    try:
+        assert full.model.prefill_chunk == 300 and full.report()["prefill_chunk"] == 300
+        assert narrow.model.prefill_chunk == capped.model.prefill_chunk == PREFILL_CHUNK
+        assert full.plan.work_bytes > narrow.plan.work_bytes  # the wider passes' workspace, planned
+        assert full.plan.expert_capacity >= full.plan.expert_total
+        got = {}
+        for name, e in (("wide", full), ("narrow", narrow)):
+            logits, _ = e.model.forward(ids, e.model.new_cache(320), logits="all", record=False)
+            got[name] = logits
+        np.testing.assert_array_equal(got["wide"], got["narrow"])
+    finally:
+        for e in (full, narrow, capped):
+            e.close()
+
+
+@pytest.mark.parametrize("measure", [MEASURE])
+def test_peak_memory_within_the_plan_for_a_long_prompt(measure, wide_model, tmp_path):
+    """The wide passes' scratch (expert inputs and outputs for 400 tokens × top-k) stays in the plan."""
+    cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", wide_model, "--prompt-file",
+           _long_prompt(tmp_path, 400), "-n", "4", "--budget", "1.0", "--method", "ar", "--temperature", "0",
+           "--json"]
+    if measure == "cgroup":
+        r = cgroups.run_in_cgroup(cmd, timeout=300)
+        assert r.returncode == 0, r.stderr
+        out, peak = json.loads(r.stdout), r.peak_bytes
+    else:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        peak = out["stats"]["offload"]["measured"]["vmhwm_bytes"]
+    assert out["stats"]["offload"]["prefill_chunk"] == out["stats"]["prompt_tokens"] > 64
+    plan = out["stats"]["offload"]["memory"]
+    assert peak - plan["total_bytes"] <= SLACK, f"peak {peak >> 20} MiB, plan {plan['total_bytes'] >> 20} MiB"

@@ -112,7 +112,7 @@ def run(
                              cache_policy=cache_policy, emulate_bandwidth=emulate_bandwidth,
                              emulate_latency=emulate_latency, offload_tier=offload_tier,
                              expert_budget=expert_budget, kernels=kernels, threads=threads,
-                             memory_limit=memory_limit)
+                             memory_limit=memory_limit, prompt_tokens=len(ids))
         costs = chosen.profile.costs if chosen.profile is not None else None
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
             costs = estimate_costs(engine.model, ids, settings_policy(settings),
@@ -251,7 +251,7 @@ def fit_context(prompt_tokens: int, max_tokens: int, context: int) -> int:
 
 def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch: int, *, cache_policy: str,
                 emulate_bandwidth, emulate_latency: float, offload_tier, expert_budget, kernels: str, threads,
-                memory_limit: str = "auto"):
+                memory_limit: str = "auto", prompt_tokens: int = 0):
     """The engine for one model and method as `run`, `serve` and `bench` build it: the profile's tier
     and fetch threads unless flags say otherwise, prefetch slots only where drafts predict, planned
     to the process's memory limit where no budget is given (offload/limits.py)."""
@@ -266,7 +266,8 @@ def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch
                           kernels=kernels, threads=threads, preload=True, budget_from=chosen.budget_from,
                           trim_hot=chosen.trim_hot, batch=batch,
                           prefetch_slots=settings.slots_for(spec),
-                          draft_vocab=0 if spec.admit == "none" else settings.draft_vocab, memory_limit=memory_limit)
+                          draft_vocab=0 if spec.admit == "none" else settings.draft_vocab, memory_limit=memory_limit,
+                          prompt_tokens=prompt_tokens)
     if engine.model.ops.reason.startswith("auto: the compiled"):
         say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")
     if engine.emulation.active:
