@@ -3,6 +3,7 @@
     python benchmarks/peer.py --build                 # once: llama-bench from the llama-cpp-python sdist
     python benchmarks/peer.py [--reps 5] [--tokens 64] [--types F16,Q8_0]
     python benchmarks/peer.py --preset olmoe-1b-7b --types Q4_K_M,Q6_K,Q4_0 --settings uncapped
+    python benchmarks/peer.py --preset olmoe-1b-7b --types Q4_K_M --settings prefill
 
 llama.cpp is built from the llama.cpp vendored in the `llama-cpp-python` sdist on PyPI (cmake,
 about 8 minutes on 2 cores), cached outside the repository (--cache, default ~/.cache/s2moe-peer).
@@ -21,6 +22,8 @@ both alike), 2 threads each:
   llama.cpp runs with mmap (the page cache is its expert cache) and with --load-mode none (which
   must load the whole model); s2moe with --budget = the cap less its baseline (its plan fits dense
   part, KV, workspace and as many experts as remain: a little under 25 %).
+- prefill: prompt processing in tokens/s at 64 and 512 prompt tokens (llama-bench pp64 / pp512;
+  s2moe run on a prompt of that many tokens, its prefill time), every expert resident.
 A program's non-model baseline is measured uncapped: its peak (cgroup) minus the model bytes it held
 (llama.cpp's from its mmap run: with --no-mmap its buffered read also charges the file's pages).
 
@@ -65,7 +68,7 @@ def build(cache: str) -> str:
     subprocess.run(["cmake", "-S", llama, "-B", out, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
     subprocess.run(["cmake", "--build", out, "-j", str(os.cpu_count() or 2), "--target", "llama-bench",
-                    "llama-completion"], check=True)
+                    "llama-completion", "llama-quantize"], check=True)
     return bench_binary(cache)
 
 
@@ -141,14 +144,49 @@ def first_token_seconds(cmd: list[str], path: str) -> tuple[float | None, str]:
     return (seconds, "ok") if r.returncode == 0 else (None, f"exit {r.returncode}")
 
 
-def s2moe_cmd(path: str, tokens: int, threads: int, budget: int | None) -> list[str]:
+def s2moe_cmd(path: str, tokens: int, threads: int, budget: int | None, sampled: bool = False) -> list[str]:
+    """``sampled``: T = 1 with a fixed seed. Random weights make greedy text repeat one token, so its
+    routing never moves and a capped run would find its experts cached (llama-bench's tg feeds
+    random tokens)."""
     cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", path, "--prompt", PROMPT, "-n", str(tokens),
-           "--method", "ar", "--temperature", "0", "--threads", str(threads), "--json", "--ignore-eos"]
+           "--method", "ar", "--threads", str(threads), "--json", "--ignore-eos"]
+    cmd += ["--temperature", "1", "--top-k", "0", "--top-p", "1", "--seed", "0"] if sampled else ["--temperature", "0"]
     return cmd + (["--budget", str(budget)] if budget else [])
 
 
+PREFILL_SIZES = (64, 512)
+
+
+def prefill_prompt(cache: str, tokens: int) -> str:
+    """A file of Python source that the benchmark models' tokenizer (the embedded model's, which
+    real_models.py writes into every file) encodes to ``tokens`` tokens, or one or two more (the
+    record keeps the count run reports)."""
+    from tokenizers import Tokenizer
+
+    from s2moe.runtime.cli.common import DEFAULT_MODEL
+
+    tok = Tokenizer.from_file(os.path.join(str(DEFAULT_MODEL), "tokenizer.json"))
+    source = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer.py"), encoding="utf-8").read()
+    ids = tok.encode(source * (1 + 8 * tokens // len(source))).ids[:tokens]
+    text = tok.decode(ids)  # (byte-level BPE: the text encodes back to these tokens, or about)
+    path = os.path.join(cache, f"prompt-{tokens}.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def prefill_cmds(binary: str, path: str, cache: str, tokens: int, threads: int) -> dict[str, list[str]]:
+    bench = [binary, "-m", path, "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1", "-o", "json"]
+    s2moe = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", path, "--prompt-file",
+             prefill_prompt(cache, tokens), "-n", "1", "--method", "ar", "--temperature", "0", "--threads",
+             str(threads), "--json", "--ignore-eos"]
+    return {"llama.cpp mmap": bench + ["--repack", "1"], "llama.cpp mmap repack 0": bench + ["--repack", "0"],
+            "s2moe": s2moe}
+
+
 def run(cmd: list[str], limit: int | None, drop: str | None) -> tuple[float | None, int | None, str]:
-    """(decode tokens/s or None, cgroup peak bytes, outcome)."""
+    """(tokens/s or None, cgroup peak bytes, outcome): decode's, or prefill's for a run of one
+    token (s2moe) or a pp test (llama-bench)."""
     if drop:
         cgroups.drop_page_cache(drop)
     r = cgroups.run_in_cgroup(cmd, limit_bytes=limit, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -159,7 +197,10 @@ def run(cmd: list[str], limit: int | None, drop: str | None) -> tuple[float | No
     data = json.loads(r.stdout)
     if isinstance(data, list):  # llama-bench: one record per test
         return float(data[0]["avg_ts"]), r.peak_bytes, "ok"
-    return float(data["stats"]["decode_tokens_per_s"]), r.peak_bytes, "ok"
+    stats = data["stats"]
+    if stats["generated_tokens"] == 1:  # a prefill run
+        return stats["prompt_tokens"] / (stats["prefill_ms"] / 1e3), r.peak_bytes, f"ok ({stats['prompt_tokens']} tokens)"
+    return float(stats["decode_tokens_per_s"]), r.peak_bytes, "ok"
 
 
 def main() -> None:
@@ -171,7 +212,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--share", default="0.25", help="expert share in the cap formula")
-    ap.add_argument("--settings", default="uncapped,capped", help="uncapped, capped, first-token (cold start, 1 token)")
+    ap.add_argument("--settings", default="uncapped,capped",
+                    help="uncapped, capped, prefill, first-token (cold start, 1 token)")
     ap.add_argument("--preset", help="a released model's shape (benchmarks/real_models.py), random weights")
     ap.add_argument("--out", default="docs/results/peer")
     args = ap.parse_args()
@@ -192,7 +234,7 @@ def main() -> None:
             programs["llama.cpp mmap repack 0"] = llama_cmd(binary, path, args.tokens, args.threads, True, False)
         # each program's non-model baseline: uncapped peak minus the model bytes it held (all of them)
         baseline = {}
-        speeds = [x for x in args.settings.split(",") if x != "first-token"]
+        speeds = [x for x in args.settings.split(",") if x in ("uncapped", "capped")]
         for name, cmd in programs.items() if speeds else ():
             if name == "llama.cpp no-mmap":  # its buffered read also fills the page cache: the
                 continue  # non-model part is the mmap run's (same program, same buffers)
@@ -219,12 +261,29 @@ def main() -> None:
                                       params={"type": kind, "setting": "first-token", "program": name,
                                               "threads": args.threads, "model": os.path.basename(path), **size},
                                       extra={"outcomes": outcomes[name]}))
+        if "prefill" in args.settings.split(","):  # alternating, every expert resident
+            for n in PREFILL_SIZES:
+                cmds = prefill_cmds(binary, path, args.cache, n, args.threads)
+                samples = {name: [] for name in cmds}
+                outcomes = {name: [] for name in cmds}
+                for _ in range(args.reps):
+                    for name, cmd in cmds.items():
+                        tps, _, outcome = run(cmd, None, None)
+                        outcomes[name].append(outcome)
+                        if tps is not None:
+                            samples[name].append(tps)
+                for name in cmds:
+                    records.append(Record("peer", f"{kind} pp{n} {name}", "tok/s", samples[name],
+                                          params={"type": kind, "setting": f"pp{n}", "program": name,
+                                                  "threads": args.threads, "model": os.path.basename(path), **size},
+                                          extra={"outcomes": outcomes[name]}))
         for setting in speeds:
             capped = setting == "capped"
             cmds = dict(programs)
             limits = {n: baseline[n] + size["dense_stored"] + int(share * size["expert_stored"]) for n in cmds}
             if capped:  # told the memory it has (the cap less its baseline), s2moe plans within it
-                cmds["s2moe"] = s2moe_cmd(path, args.tokens, args.threads, limits["s2moe"] - baseline["s2moe"])
+                cmds["s2moe"] = s2moe_cmd(path, args.tokens, args.threads, limits["s2moe"] - baseline["s2moe"],
+                                          sampled=bool(args.preset))
             else:
                 cmds.pop("llama.cpp no-mmap")  # uncapped: llama.cpp's default (mmap) is the reference
             samples = {n: [] for n in cmds}
