@@ -149,11 +149,12 @@ def test_llama_cpp_decodes_the_default_model_as_we_do(tmp_path):
     assert all(r["equal"] for r in rows)
 
 
-@pytest.mark.parametrize("preset", ["olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize("preset", ["olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "deepseek-v2-lite"])
 def test_real_shape_benchmark_files_are_what_llama_cpp_and_s2moe_load(preset, tmp_path, monkeypatch):
     """benchmarks/real_models.py, its presets scaled down (the real sizes are 4-26 GB, made by
-    benchmarks only): llama.cpp's tensor shapes, the stored type kept, each expert at its stored
-    bytes, and a run that decodes."""
+    benchmarks only): llama.cpp's tensor shapes, the stored type kept (Q8_0 where a row is not
+    whole blocks: GPT-OSS's width here is 288, as its real 2880, not whole super-blocks), each
+    expert at its stored bytes, and a run that decodes."""
     import sys
 
     from gguf import GGUFReader
@@ -161,12 +162,16 @@ def test_real_shape_benchmark_files_are_what_llama_cpp_and_s2moe_load(preset, tm
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from benchmarks import real_models
     from helpers import s2moe
+    from s2moe.runtime.kernels.stored import row_bytes
 
-    small = dict(real_models.PRESETS[preset], hidden=256, layers=2, experts=8, ffn=256, vocab=6144, ctx=256)
-    small["heads"], small["kv_heads"] = (4, small["kv_heads"] and min(small["kv_heads"], 4))
-    small["head_dim"] = 64
+    small = dict(real_models.PRESETS[preset], hidden=288 if preset == "gpt-oss-20b" else 256, layers=2, experts=8,
+                 ffn=256, vocab=6144, ctx=256, heads=4, head_dim=64)
+    small["kv_heads"] = 4 if preset == "deepseek-v2-lite" else min(small["kv_heads"], 4)
+    if preset == "deepseek-v2-lite":  # MLA: q/k heads of 32 + 32 (RoPE), a latent of 128, one dense layer
+        small.update(kv_lora=128, rope_dim=32, v_dim=64, dense_ffn=512)
     monkeypatch.setitem(real_models.PRESETS, preset, small)
-    for kind in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_0"):
+    H, I = small["hidden"], small["ffn"]
+    for kind in ("Q4_K", "Q6_K", "IQ4_XS", "Q4_0") + (("MXFP4",) if preset == "gpt-oss-20b" else ()):
         path = str(tmp_path / f"{kind}.gguf")
         real_models.write(preset, kind, path)
         reader = GGUFReader(path)
@@ -175,10 +180,13 @@ def test_real_shape_benchmark_files_are_what_llama_cpp_and_s2moe_load(preset, tm
         assert not sorted(set(shapes) - set(found) - optional) and found == {n: shapes[n] for n in found}, kind
         g = load_model(path)
         expert = g.experts[(1, 3)]
+        want = real_models.stored_type(kind, "expert", H)
         # (page-aligned tensors: an expert of whole pages is held at its stored size, as at real
-        # sizes; these small ones of 210- or 136-byte blocks end inside a page)
-        pages = 0 if kind in ("Q4_K", "Q4_0") else 3 * 4096
-        assert expert.storage_type == kind and 0 <= expert.resident_bytes - expert.stored_bytes < pages + 1, kind
+        # sizes; one of blocks that end inside a page takes at most a page more per part: GPT-OSS's
+        # biases are parts too)
+        whole = all(n * row_bytes(want, k) % 4096 == 0 for n, k in ((I, H), (I, H), (H, I))) and len(expert.parts) == 3
+        pages = 0 if whole else len(expert.parts) * 4096
+        assert expert.storage_type == want and 0 <= expert.resident_bytes - expert.stored_bytes < pages + 1, kind
         assert g.without_kernel() == {}
     code, out, err = s2moe("run", "--model", path, "--prompt", "hi", "-n", "4", "--method", "ar", "--json",
                            "--ignore-eos", "--temperature", "0")
