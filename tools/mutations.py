@@ -241,11 +241,17 @@ CORE: list[Mutation] = [
              "sv[g] = _mm256_set1_epi16((short)ls);", ["tests/test_kernels.py", "-k", "every_type"],
              "IQ4_XS's 6-bit scales used without their −32 (AVX2)"),
     Mutation("kq-tile-rounds-apart", "csrc/cpu/kquant_avx2.c",
-             "__m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][j]), _mm256_set1_ps(k->dsum[i] * dx), acc[i][t + j]);",
-             "__m256 v = _mm256_add_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][j]), _mm256_set1_ps(k->dsum[i] * dx), "
-             "_mm256_setzero_ps()), acc[i][t + j]);",
+             "    v = _mm256_fmadd_ps(sums, _mm256_mul_ps(vd, vx), v);",
+             "    v = _mm256_add_ps(_mm256_fmadd_ps(sums, _mm256_mul_ps(vd, vx), _mm256_setzero_ps()), v);",
              ["tests/test_kernels.py", "-k", "own_bits_in_any_batch"],
              "a batch's tiles round apart from one token's rows: a verification token loses its decode bits (AVX-512)"),
+    Mutation("kq-step-mins-before-codes", "csrc/cpu/kquant_avx2.c",
+             "    acc = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)S), _mm_set_ss(dsum * dx), _mm_set_ss(acc)));\n"
+             "    if (has_q) acc = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)M), _mm_set_ss(dq * dx), _mm_set_ss(acc)));",
+             "    if (has_q) acc = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)M), _mm_set_ss(dq * dx), _mm_set_ss(acc)));\n"
+             "    acc = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)S), _mm_set_ss(dsum * dx), _mm_set_ss(acc)));",
+             ["tests/test_kernels.py", "-k", "own_bits_in_any_batch"],
+             "one token's rows take the float steps in another order than a batch's tiles (AVX-512)"),
     Mutation("kq-tile-rest-rows-dropped", "csrc/cpu/kquant_avx2.c",
              "for (; r < r1; r++) kt_rows(TYPE, 1, W, rb, K, r, a, ys, t0, nt);", "",
              ["tests/test_kernels.py", "-k", "own_bits_in_any_batch"],

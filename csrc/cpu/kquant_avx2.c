@@ -5,8 +5,9 @@
  *     maddubs(codes, q)   → 16 sums of two products (unsigned codes ≤ 63 times |q| ≤ 127: ≤ 16002)
  *     madd(·, scales)     → 8 int32, each run of 16 weighed by its integer scale,
  * and the codes' offset (Q6_K's 32, Q3_K's 4) and the mins (Q2_K, Q4_K, Q5_K) come from the runs'
- * Σ q, times the integer scales or mins, in one madd. One convert and FMA finish the super-block:
- *     dx · (d · Σ_runs sc · Σ code·q  −  dm · Σ_runs mn · Σ q).
+ * Σ q, times the integer scales or mins, in one madd. Both sums are added across lanes in integers,
+ * and two float steps finish the super-block (kq_step, the same order on every path):
+ *     acc += S · (d · dx);  acc += M · (−dm · dx),   S = Σ_runs sc · Σ code·q,  M = Σ_runs mn · Σ q.
  * The 32-value types (Q4_1, Q5_0, Q5_1, IQ4_NL) meet blocks of 32 (as llama.cpp's q8_0 / q8_1):
  * per block, the integer sum, then one FMA with d · dx, and the min as d_m · dx · Σ q.
  * All integer sums are exact (the largest, a Q6_K super-block, stays under 2^26).
@@ -28,6 +29,21 @@
 #define KQ_AHEAD 16
 
 INLINE_AVX2 float h2f(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+INLINE_AVX2 int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+/* A (row, token) pair's float steps after super-block u, from its exact integer sums S (codes ·
+ * scales · q) and M (offsets or mins · Σ q): the order every path keeps, one rounding each (the
+ * tiles take the same steps eight pairs to a vector: the same bits). */
+INLINE_AVX2 float kq_step(float acc, int S, int M, int has_q, float dsum, float dq, float dx) {
+    acc = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)S), _mm_set_ss(dsum * dx), _mm_set_ss(acc)));
+    if (has_q) acc = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss((float)M), _mm_set_ss(dq * dx), _mm_set_ss(acc)));
+    return acc;
+}
 
 /* d = max|x| / 127 over each block of B, q = x · (1/d) rounded half to even: the same float32
  * operations as kquant.c's portable loop, so the same codes. */
@@ -229,8 +245,8 @@ INLINE_AVX2 void super_rows(const int TYPE, const uint8_t *W, size_t rb, long K,
         const uint8_t *row = W + (size_t)r * rb;
         for (int t0 = 0; t0 < nb; t0 += KQ_TB) {
             const int nt = nb - t0 < KQ_TB ? nb - t0 : KQ_TB;
-            __m256 acc[KQ_TB];
-            for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+            float acc[KQ_TB];
+            for (int t = 0; t < nt; t++) acc[t] = 0.0f;
             for (long u = 0; u < U; u++) {
                 __m256i c[8], sv[8], mv, ac[8];
                 float dsum, dq;
@@ -251,15 +267,12 @@ INLINE_AVX2 void super_rows(const int TYPE, const uint8_t *W, size_t rb, long K,
                         if (g & 1) s1 = _mm256_add_epi32(s1, p);
                         else s0 = _mm256_add_epi32(s0, p);
                     }
-                    const float dx = a->ds[t0 + t][u];
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_set1_ps(dsum * dx), acc[t]);
-                    if (has_q) {
-                        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs[t0 + t] + 16 * u));
-                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mv, bs)), _mm256_set1_ps(dq * dx), acc[t]);
-                    }
+                    const int M = has_q ? hsum_i32(_mm256_madd_epi16(
+                                              mv, _mm256_loadu_si256((const __m256i *)(a->bs[t0 + t] + 16 * u)))) : 0;
+                    acc[t] = kq_step(acc[t], hsum_i32(_mm256_add_epi32(s0, s1)), M, has_q, dsum, dq, a->ds[t0 + t][u]);
                 }
             }
-            for (int t = 0; t < nt; t++) ys[t0 + t][r] = hsum(acc[t]);
+            for (int t = 0; t < nt; t++) ys[t0 + t][r] = acc[t];
         }
     }
 }
@@ -275,7 +288,10 @@ INLINE_AVX2 void super_rows(const int TYPE, const uint8_t *W, size_t rb, long K,
  * 512-bit ones would not), each code vector is loaded once for KT_T tokens and each token's
  * vector once for KT_R rows, and a super-block is unpacked once for the whole batch.
  * The integer sums are super_rows' (exact, whatever their grouping), and each (row, token) takes
- * its float steps in super_rows' order: the same bits, whatever the batch. Unsigned codes only
+ * kq_step's float steps, eight pairs to a vector: the same bits, whatever the batch. A whole tile's
+ * float work is then a few instructions per pair, where a vector per pair cost about a quarter of
+ * the tile's multiply-port instructions (64 tokens: Q4_K 79-81 -> 85 G/s, Q6_K 76-79 -> 81-82,
+ * one token unchanged within noise, two alternating rounds). Unsigned codes only
  * (IQ4_XS keeps super_rows and its sign trick). */
 #define AVX512VL __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
 #define INLINE_AVX512VL static inline __attribute__((always_inline, target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")))
@@ -289,9 +305,31 @@ typedef struct {
     int has_q;
 } kt_unit;
 
+/* Eight vectors' integer totals, in order, in one vector (exact). */
+INLINE_AVX512VL __m256i totals8(const __m256i *v) {
+    const __m256i b0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* Rows i, i + 1 of a whole tile, tokens t .. t + 3, as one vector of eight pairs: kq_step's float
+ * steps lane by lane (acc[i][t + j] in lane 4 (i' − i) + j). */
+INLINE_AVX512VL void kt_steps8(const kt_unit *k, const __m256i *S, const __m256i *M, int i, __m256 vx,
+                               float (*acc)[KT_MAX], int t) {
+    const __m256 sums = _mm256_cvtepi32_ps(totals8(S)), vd = _mm256_set_m128(_mm_set1_ps(k->dsum[i + 1]), _mm_set1_ps(k->dsum[i]));
+    __m256 v = _mm256_set_m128(_mm_loadu_ps(acc[i + 1] + t), _mm_loadu_ps(acc[i] + t));
+    v = _mm256_fmadd_ps(sums, _mm256_mul_ps(vd, vx), v);
+    if (k->has_q) {
+        const __m256 vq = _mm256_set_m128(_mm_set1_ps(k->dq[i + 1]), _mm_set1_ps(k->dq[i]));
+        v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals8(M)), _mm256_mul_ps(vq, vx), v);
+    }
+    _mm_storeu_ps(acc[i] + t, _mm256_castps256_ps128(v));
+    _mm_storeu_ps(acc[i + 1] + t, _mm256_extractf128_ps(v, 1));
+}
+
 /* NR rows × NT tokens (from token t) of unpacked unit u, into acc[row][token]. */
 INLINE_AVX512VL void kt_tile(const int NR, const int NT, const kt_unit *k, const kq_acts *a, int t, long u,
-                             __m256 (*acc)[KT_MAX]) {
+                             float (*acc)[KT_MAX]) {
     __m256i s[KT_R][KT_T];
     for (int i = 0; i < NR; i++)
         for (int j = 0; j < NT; j++) s[i][j] = _mm256_setzero_si256();
@@ -304,26 +342,31 @@ INLINE_AVX512VL void kt_tile(const int NR, const int NT, const kt_unit *k, const
                 s[i][j] = _mm256_add_epi32(s[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(c, x[j]), sv));
         }
     }
-    for (int j = 0; j < NT; j++) {
-        const float dx = a->ds[t + j][u];
-        const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs[t + j] + 16 * u));
-        for (int i = 0; i < NR; i++) {
-            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][j]), _mm256_set1_ps(k->dsum[i] * dx), acc[i][t + j]);
-            if (k->has_q)
-                v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(k->mv[i], bs)), _mm256_set1_ps(k->dq[i] * dx), v);
-            acc[i][t + j] = v;
-        }
+    __m256i bs[KT_T], m[KT_R][KT_T];
+    for (int j = 0; j < NT; j++) bs[j] = _mm256_loadu_si256((const __m256i *)(a->bs[t + j] + 16 * u));
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++) m[i][j] = k->has_q ? _mm256_madd_epi16(k->mv[i], bs[j]) : _mm256_setzero_si256();
+    if (NR == KT_R && NT == KT_T) {
+        const __m128 dx = _mm_set_ps(a->ds[t + 3][u], a->ds[t + 2][u], a->ds[t + 1][u], a->ds[t][u]);
+        const __m256 vx = _mm256_set_m128(dx, dx);
+        kt_steps8(k, s[0], m[0], 0, vx, acc, t);
+        kt_steps8(k, s[2], m[2], 2, vx, acc, t);
+        return;
     }
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NT; j++)
+            acc[i][t + j] = kq_step(acc[i][t + j], hsum_i32(s[i][j]), hsum_i32(m[i][j]), k->has_q, k->dsum[i], k->dq[i],
+                                    a->ds[t + j][u]);
 }
 
 INLINE_AVX512VL void kt_rows(const int TYPE, const int NR, const uint8_t *W, size_t rb, long K, long r, const kq_acts *a,
                              float *const *ys, int t0, int nt) {
     const long U = K / 256;
     const int bb = block_bytes(TYPE);
-    __m256 acc[KT_R][KT_MAX];
+    float acc[KT_R][KT_MAX];
     kt_unit k;
     for (int i = 0; i < NR; i++)
-        for (int j = 0; j < nt; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < nt; j++) acc[i][j] = 0.0f;
     for (long u = 0; u < U; u++) {
         for (int i = 0; i < NR; i++) {
             const uint8_t *b = W + (size_t)(r + i) * rb + (size_t)bb * u;
@@ -340,7 +383,7 @@ INLINE_AVX512VL void kt_rows(const int TYPE, const int NR, const uint8_t *W, siz
         }
     }
     for (int i = 0; i < NR; i++)
-        for (int j = 0; j < nt; j++) ys[t0 + j][r + i] = hsum(acc[i][j]);
+        for (int j = 0; j < nt; j++) ys[t0 + j][r + i] = acc[i][j];
 }
 
 INLINE_AVX512VL void kt_rows_all(const int TYPE, const uint8_t *W, size_t rb, long K, long r0, long r1,
