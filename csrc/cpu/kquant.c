@@ -30,7 +30,7 @@
 
 int kq_type(int type) {
     switch (type) {
-    case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K:
+    case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K:
     case T_Q6_K: case T_IQ4_XS: return 1;
     default: return 0;
     }
@@ -50,10 +50,10 @@ static inline __attribute__((always_inline)) void nibbles32(const uint8_t *qs, i
     }
 }
 
-static inline __attribute__((always_inline)) void iq4_32(const uint8_t *qs, int8_t *c) {
+static inline __attribute__((always_inline)) void table32(const int8_t *table, const uint8_t *qs, int8_t *c) {
     for (int l = 0; l < 16; l++) {
-        c[l] = KVALUES_IQ4[qs[l] & 0xF];
-        c[l + 16] = KVALUES_IQ4[qs[l] >> 4];
+        c[l] = table[qs[l] & 0xF];
+        c[l + 16] = table[qs[l] >> 4];
     }
 }
 
@@ -70,15 +70,16 @@ static inline __attribute__((always_inline)) void fives32(const uint8_t *qs, uin
 static inline __attribute__((always_inline)) int kq_unpack(int type, const uint8_t *row, long u, int ng, kq_unit *k) {
     for (int j = 2 * ng; j < 16; j++) k->s[j] = k->m[j] = 0.0f;
     switch (type) {
-    case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: {
+    case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4: {
         const int bb = block_bytes(type);
         for (int i = 0; i < ng; i++) {
             const uint8_t *b = row + (size_t)bb * (size_t)(8 * u + i);
-            float d = f16_to_f32(rd16(b)), m = 0.0f;
+            float d = type == T_MXFP4 ? e8m0_half(b[0]) : f16_to_f32(rd16(b)), m = 0.0f;
             if (type == T_Q4_1) { m = f16_to_f32(rd16(b + 2)); nibbles32(b + 4, k->c + 32 * i, 0); }
             if (type == T_Q5_0) fives32(b + 6, rd32(b + 2), k->c + 32 * i, 16);
             if (type == T_Q5_1) { m = f16_to_f32(rd16(b + 2)); fives32(b + 8, rd32(b + 4), k->c + 32 * i, 0); }
-            if (type == T_IQ4_NL) iq4_32(b + 2, k->c + 32 * i);
+            if (type == T_IQ4_NL) table32(KVALUES_IQ4, b + 2, k->c + 32 * i);
+            if (type == T_MXFP4) table32(KVALUES_MXFP4, b + 1, k->c + 32 * i); /* the doubled E2M1 values */
             k->s[2 * i] = k->s[2 * i + 1] = d;
             k->m[2 * i] = k->m[2 * i + 1] = m;
         }
@@ -155,7 +156,7 @@ static inline __attribute__((always_inline)) int kq_unpack(int type, const uint8
         int sh = rd16(b + 2);
         for (int i = 0; i < 8; i++) {
             int ls = ((b[4 + i / 2] >> (4 * (i % 2))) & 0xF) | (((sh >> (2 * i)) & 3) << 4);
-            iq4_32(qs + 16 * i, k->c + 32 * i);
+            table32(KVALUES_IQ4, qs + 16 * i, k->c + 32 * i);
             k->s[2 * i] = k->s[2 * i + 1] = d * (float)(ls - 32);
             k->m[2 * i] = k->m[2 * i + 1] = 0.0f;
         }

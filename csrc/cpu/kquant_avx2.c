@@ -8,7 +8,7 @@
  * Σ q, times the integer scales or mins, in one madd. Both sums are added across lanes in integers,
  * and two float steps finish the super-block (kq_step, the same order on every path):
  *     acc += S · (d · dx);  acc += M · (−dm · dx),   S = Σ_runs sc · Σ code·q,  M = Σ_runs mn · Σ q.
- * The 32-value types (Q4_1, Q5_0, Q5_1, IQ4_NL) meet blocks of 32 (as llama.cpp's q8_0 / q8_1):
+ * The 32-value types (Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) meet blocks of 32 (as llama.cpp's q8_0 / q8_1):
  * per block, the integer sum, then one FMA with d · dx, and the min as d_m · dx · Σ q.
  * All integer sums are exact (the largest, a Q6_K super-block, stays under 2^26).
  */
@@ -88,6 +88,7 @@ INLINE_AVX2 __m256i fifth_bits(uint32_t qh) {
 }
 
 INLINE_AVX2 __m256i iq4_table(void) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_IQ4)); }
+INLINE_AVX2 __m256i mxfp4_table(void) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)KVALUES_MXFP4)); }
 
 /* Two int16 scales, one per run of 16 of a block of 32, as madd's second operand. */
 INLINE_AVX2 __m256i run_scales(int a, int b) {
@@ -99,12 +100,13 @@ INLINE_AVX2 __m256i run_scales(int a, int b) {
 
 /* Block b's codes (signed for Q5_0 and IQ4_NL) and its scale d and min. */
 INLINE_AVX2 __m256i small_block(const int TYPE, const uint8_t *b, float *d, float *m) {
-    const int at = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;
+    const int at = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : TYPE == T_MXFP4 ? 1 : 2;
     __m256i v = nib_block(_mm_loadu_si128((const __m128i *)(b + at)));
     if (TYPE == T_Q5_0) v = _mm256_sub_epi8(_mm256_or_si256(v, fifth_bits(rd32(b + 2))), _mm256_set1_epi8(16));
     if (TYPE == T_Q5_1) v = _mm256_or_si256(v, fifth_bits(rd32(b + 4)));
     if (TYPE == T_IQ4_NL) v = _mm256_shuffle_epi8(iq4_table(), v);
-    *d = h2f(b);
+    if (TYPE == T_MXFP4) v = _mm256_shuffle_epi8(mxfp4_table(), v);
+    *d = TYPE == T_MXFP4 ? e8m0_half(b[0]) : h2f(b);
     *m = TYPE == T_Q4_1 || TYPE == T_Q5_1 ? h2f(b + 2) : 0.0f;
     return v;
 }
@@ -420,6 +422,7 @@ AVX2 void kq_rows_avx2(int type, const uint8_t *W, size_t rb, long K, long r0, l
     case T_Q5_0: small_rows(T_Q5_0, W, rb, K, r0, r1, a, ys, nb); break;
     case T_Q5_1: small_rows(T_Q5_1, W, rb, K, r0, r1, a, ys, nb); break;
     case T_IQ4_NL: small_rows(T_IQ4_NL, W, rb, K, r0, r1, a, ys, nb); break;
+    case T_MXFP4: small_rows(T_MXFP4, W, rb, K, r0, r1, a, ys, nb); break;
     case T_Q2_K: super_rows(T_Q2_K, W, rb, K, r0, r1, a, ys, nb); break;
     case T_Q3_K: super_rows(T_Q3_K, W, rb, K, r0, r1, a, ys, nb); break;
     case T_Q4_K: super_rows(T_Q4_K, W, rb, K, r0, r1, a, ys, nb); break;

@@ -29,7 +29,7 @@ _CHUNK_BYTES = 4 << 20
 # backend (csrc/cpu/dot.c says how, and why: 1.6x at one token)
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0")
 # ... and these, in runs of 16 with a scale and an offset each (csrc/cpu/kquant.c; `decode_runs`)
-RUN_TYPES = ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+RUN_TYPES = ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 
 
 def activation_block(dtype: str) -> int:
@@ -221,7 +221,12 @@ def decode_runs(xp, dtype: str, raw, K: int):
     b = raw.reshape(n, K // values, nbytes).astype(xp.int32)  # [n, B, bytes]
     B = b.shape[1]
     sh = xp.asarray  # (shifts as arrays broadcast along the block's axes)
-    if dtype in ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
+    if dtype == "MXFP4":  # e (E8M0), qs[16]: the doubled E2M1 values times 2^(e − 128)
+        e = b[..., :1].astype(xp.uint32)
+        d = xp.where(e < 2, xp.uint32(0x00200000) << e, (e - 1) << xp.uint32(23)).view(xp.float32)
+        c = xp.asarray(_KVALUES_MXFP4)[_nibbles(xp, b[..., 1:17])]
+        scale, offset = xp.repeat(d, 2, axis=-1), xp.zeros((n, B, 2), xp.float32)
+    elif dtype in ("Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
         d = _f16(xp, raw.reshape(n, B, nbytes)[..., 0:2])  # [n, B, 1]
         has_m = dtype in ("Q4_1", "Q5_1")
         m = _f16(xp, raw.reshape(n, B, nbytes)[..., 2:4]) if has_m else xp.zeros_like(d)
