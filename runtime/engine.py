@@ -138,11 +138,14 @@ def build_engine(
                 slots = default_prefetch_slots(loaded.config, False)
         plan = limited
     chunk = wide_prefill_chunk(plan, prompt_tokens, batch, ops, backend)
-    if chunk:  # a prompt in wider passes, planned so, where every expert still fits
+    if chunk:  # a prompt in wider passes, planned so, where every expert still fits (and the limit)
+        from .offload.limits import find_headroom
+
         wide = make_plan(parsed, chunk)
-        if memory_limit is not None:
-            wide = _plan_to_limit(wide, lambda b: make_plan(b, chunk), memory_limit, budget, expert_budget)
-        chunk, plan = (chunk, wide) if wide.expert_capacity >= wide.expert_total else (0, plan)
+        room = find_headroom(memory_limit) if memory_limit is not None and budget is None and \
+            expert_budget is None else None
+        fits = wide.expert_capacity >= wide.expert_total and (room is None or wide.model_bytes <= room.model_budget())
+        chunk, plan = (chunk, replace(wide, limit=plan.limit)) if fits else (0, plan)
     release_freed_memory_promptly()
     for kind, (n, stored, decoded) in loaded.without_kernel().items():
         _note(f"{n} {kind} tensors have no kernel: decoded to float32 at load, {fmt_bytes(decoded)} in memory "

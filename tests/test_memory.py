@@ -283,6 +283,11 @@ def test_a_long_prompt_runs_in_wide_chunks_only_where_every_expert_fits(wide_mod
         assert narrow.model.prefill_chunk == capped.model.prefill_chunk == PREFILL_CHUNK
         assert full.plan.work_bytes > narrow.plan.work_bytes  # the wider passes' workspace, planned
         assert full.plan.expert_capacity >= full.plan.expert_total
+        # a budget that holds every expert in passes of 64 but not in one of 300: passes of 64
+        exact = build_engine(wide_model, str(narrow.plan.model_bytes), kv_positions=320, batch=64, kernels="cpu",
+                             prompt_tokens=ids.size, memory_limit=None)
+        assert exact.model.prefill_chunk == PREFILL_CHUNK and exact.plan.expert_capacity >= exact.plan.expert_total
+        exact.close()
         got = {}
         for name, e in (("wide", full), ("narrow", narrow)):
             logits, _ = e.model.forward(ids, e.model.new_cache(320), logits="all", record=False)
