@@ -125,12 +125,14 @@ def llama_cmd(binary: str, path: str, tokens: int, threads: int, mmap: bool, rep
 
 def first_token_cmds(cache: str, path: str, threads: int) -> dict[str, list[str]]:
     """One token from a prompt, from a cold start: llama.cpp's llama-completion (as shipped, and with
-    --no-repack) and s2moe run (its whole load: at full budget it reads every expert first)."""
+    --no-repack) and s2moe run: as shipped, the prompt reads the experts it needs and the rest come
+    after the first token (--load background), and with --load now (every expert before the prompt)."""
     completion = os.path.join(cache, "build", "bin", "llama-completion")
     llama = [completion, "-m", path, "-p", PROMPT, "-n", "1", "-t", str(threads), "--temp", "0", "-no-cnv",
              "--simple-io", "--no-warmup"]
     return {"llama.cpp mmap": llama, "llama.cpp mmap repack 0": llama + ["--no-repack"],
-            "s2moe": s2moe_cmd(path, 1, threads, None)}
+            "s2moe": s2moe_cmd(path, 1, threads, None, load="background"),
+            "s2moe --load now": s2moe_cmd(path, 1, threads, None)}
 
 
 def first_token_seconds(cmd: list[str], path: str) -> tuple[float | None, str]:
@@ -144,12 +146,14 @@ def first_token_seconds(cmd: list[str], path: str) -> tuple[float | None, str]:
     return (seconds, "ok") if r.returncode == 0 else (None, f"exit {r.returncode}")
 
 
-def s2moe_cmd(path: str, tokens: int, threads: int, budget: int | None, sampled: bool = False) -> list[str]:
+def s2moe_cmd(path: str, tokens: int, threads: int, budget: int | None, sampled: bool = False,
+              load: str = "now") -> list[str]:
     """``sampled``: T = 1 with a fixed seed. Random weights make greedy text repeat one token, so its
     routing never moves and a capped run would find its experts cached (llama-bench's tg feeds
-    random tokens)."""
+    random tokens). ``load`` now: decode and prefill are timed warm, as llama-bench's are after
+    its warm-up run."""
     cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", path, "--prompt", PROMPT, "-n", str(tokens),
-           "--method", "ar", "--threads", str(threads), "--json", "--ignore-eos"]
+           "--method", "ar", "--threads", str(threads), "--json", "--ignore-eos", "--load", load]
     cmd += ["--temperature", "1", "--top-k", "0", "--top-p", "1", "--seed", "0"] if sampled else ["--temperature", "0"]
     return cmd + (["--budget", str(budget)] if budget else [])
 
@@ -179,7 +183,7 @@ def prefill_cmds(binary: str, path: str, cache: str, tokens: int, threads: int) 
     bench = [binary, "-m", path, "-p", str(tokens), "-n", "0", "-t", str(threads), "-r", "1", "-o", "json"]
     s2moe = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", path, "--prompt-file",
              prefill_prompt(cache, tokens), "-n", "1", "--method", "ar", "--temperature", "0", "--threads",
-             str(threads), "--json", "--ignore-eos"]
+             str(threads), "--json", "--ignore-eos", "--load", "now"]
     return {"llama.cpp mmap": bench + ["--repack", "1"], "llama.cpp mmap repack 0": bench + ["--repack", "0"],
             "s2moe": s2moe}
 

@@ -41,19 +41,21 @@ def expert_size(backend):
 
 
 def run_plan(loaded, budget: str | None, ctx: int, draft_cap: int, backend, kernels: str = "auto",
-             where: str = "--budget", draft_vocab: int = 0):
+             where: str = "--budget", draft_vocab: int = 0, cache_type: str = "auto"):
     """The `MemoryPlan` `build_engine` makes for an S²-MoE run of ``ctx`` tokens (a draft head of
     ``draft_vocab`` rows; prefetches take their room in the expert cache)."""
     from s2moe.runtime.engine import default_prefetch_slots, draft_head_bytes
     from s2moe.runtime.kernels import select_ops
     from s2moe.runtime.offload.memory import Budget, plan_memory
+    from s2moe.runtime.model.kv_cache import resolve_cache_type
 
     parsed = Budget.parse(budget, where)
     ops = select_ops(kernels, None, backend)
     return plan_memory(loaded, parsed, kv_positions(ctx, draft_cap), batch=batch(ctx, draft_cap), window=4,
                        reference_kernels=ops.name == "numpy", expert_bytes=expert_size(backend), direct=True,
                        draft_head=draft_head_bytes(loaded, draft_vocab, backend.on_device),
-                       staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if backend.on_device else 0)
+                       staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if backend.on_device else 0,
+                       cache_type=resolve_cache_type(cache_type, loaded.config, backend.on_device))
 
 
 def profile_context(data: dict, where: str) -> int:

@@ -87,6 +87,7 @@ def predict(
 
         from s2moe.runtime.decoding.trace import load_trace
         from s2moe.runtime.engine import default_prefetch_slots, draft_head_bytes
+        from s2moe.runtime.model.kv_cache import resolve_cache_type
         from s2moe.runtime.model.loader import load_model
         from s2moe.runtime.offload.memory import Budget, plan_memory
         from s2moe.runtime.profile import load_profile, model_fingerprint
@@ -116,7 +117,8 @@ def predict(
         plan = plan_memory(loaded, parsed, context + 2 * max(cap, 8) + 2, batch=max(min(context, 64), 1 + 2 * cap),
                            expert_bytes=(lambda refs: refs.resident_bytes_for(not on_device)),
                            draft_head=draft_head_bytes(loaded, int(settings.get("draft_vocab") or 0), on_device),
-                           staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if on_device else 0)
+                           staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if on_device else 0,
+                           cache_type=resolve_cache_type("auto", loaded.config, on_device))
         capacity = None if plan.expert_capacity >= plan.expert_total else plan.expert_capacity
         if capacity is not None and sum(map(size, hot)) > capacity:  # another budget than the profile's
             from s2moe.runtime.engine import head_that_fits

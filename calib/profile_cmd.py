@@ -28,6 +28,7 @@ from s2moe.runtime.cli.spec_options import default_draft_topk
 from s2moe.runtime.decoding.cost_model import FEATURES, VerificationCostModel
 from s2moe.runtime.engine import engine_tier
 from s2moe.runtime.errors import UsageError
+from s2moe.runtime.model.kv_cache import resolve_cache_type
 from s2moe.runtime.profile import model_fingerprint, save_profile, write_json_atomic
 from s2moe.runtime.records import git_commit
 from s2moe.runtime.model.routing import TARGET, RoutingPolicy
@@ -220,6 +221,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
 
         # hot experts for the budget (traces run with no budget in the way)
         model = MoEModel(loaded, ExpertCache(store, capacity_bytes=None, place=arrays.upload_expert), arrays)
+        model.cache_type = resolve_cache_type("auto", loaded.config, arrays.on_device)  # as runs hold it
         t = progress.add_task("routing traces (hot experts)", total=len(profiling) + len(heldout))
         tick = lambda: progress.advance(t)  # noqa: E731
         residency = gathered.get("hot_experts")

@@ -186,7 +186,7 @@ def replay(passes: list[CapturedPass], pool: WeightPool, rounds: int = DEFAULT_R
         return passes
     everything = [p for block in blocks for p in block]
     capacity = max(p.start + len(p.tokens) for p in everything)
-    scratch = everything[0].model.new_cache(capacity)  # replays write here, never into a captured KV
+    scratches: dict = {}  # replays write here, never into a captured KV; one per cache type
     rng = random.Random(seed)
     for _ in range(rounds):
         order = []
@@ -198,6 +198,10 @@ def replay(passes: list[CapturedPass], pool: WeightPool, rounds: int = DEFAULT_R
             cache = p.model.experts
             with budget_lifted(cache, p.unbudgeted):
                 restore(cache, p, pool)
+                kind = p.kv.cache_type
+                if kind not in scratches:
+                    scratches[kind] = KVCache.for_config(p.model.config, capacity, p.model.backend.xp, kind)
+                scratch = scratches[kind]
                 scratch.copy_prefix(p.kv, p.start)
                 stats = cache.stats["replay"]
                 misses, hits = stats.misses, stats.hits

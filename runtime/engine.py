@@ -14,6 +14,7 @@ from . import jsonfile
 from .errors import UsageError
 from .model.loader import LoadedModel, load_model
 from .model.forward import MoEModel
+from .model.kv_cache import resolve_cache_type
 from .offload.store import Emulation, ExpertStore
 
 
@@ -32,6 +33,7 @@ class Engine:
     def report(self) -> dict:
         r = {"budget": self.budget.describe(), "memory": self.plan.to_dict(), "cache": self.cache.report(),
              "prefill_chunk": self.model.prefill_chunk,
+             "kv_cache_type": self.model.cache_type,
              "measured": measured_peak(),
              "kernels": {"name": self.model.ops.name, "reason": self.model.ops.reason,
                          "path": getattr(self.model.ops, "path", "numpy"),
@@ -43,6 +45,7 @@ class Engine:
         return r
 
     def close(self) -> None:
+        self.cache.stop_fill()
         self.cache.store.close()
 
 
@@ -87,25 +90,29 @@ def build_engine(
     kernels: str = "auto",
     threads: int | None = None,
     batch: int | None = None,
-    preload: bool = False,
+    preload: bool | str = False,
     prefetch_slots: int | None = None,
     budget_from: str = "--budget",
     trim_hot: bool = False,
     draft_vocab: int = 0,
     memory_limit: str | None = None,
     prompt_tokens: int = 0,
+    cache_type: str = "auto",
 ) -> Engine:
     """``offload_tier``: "file" reads missing experts from the model file (Orin: SSD → pinned →
     device); "host" decodes every expert once into pinned host memory (RTX 4090: host RAM → device).
 
     The memory plan is made before the dense part is read (``loaded`` may come without it:
     `load_model(path, dense=False)`), so a budget too small for it fails in one line first.
-    ``preload``: when every expert fits, read them all now (the CLI's runs start warm).
+    ``preload``: when every expert fits, read them all now (True: the run starts warm), or
+    "background": after the prompt, on the fetch threads (offload/fill.py; the CLI's default).
     ``draft_vocab``: lm-head rows a FR-Spec draft head uses (model/draft_head.py); a copy of them,
     where it needs one, is planned with the dense part.
     ``prefetch_slots``: experts a draft may have in flight for verification (default 2 × top-k
     under a budget, 0 when every expert is resident). They take their room in the expert cache, not
-    in the plan, so every method runs in the same memory."""
+    in the plan, so every method runs in the same memory.
+    ``cache_type``: the KV cache's (model/kv_cache.py); auto is f16 on the host, f32 on a device
+    backend, whose attention kernels read float32."""
     loaded = loaded or load_model(model_path, dense=False)
     parsed = Budget.parse(budget, budget_from)
     experts_only = Budget.parse(expert_budget, "--expert-budget") if expert_budget is not None else None
@@ -115,6 +122,7 @@ def build_engine(
     if offload_tier not in OFFLOAD_TIERS:
         raise UsageError(f"--offload-tier {offload_tier!r}: choose from {', '.join(OFFLOAD_TIERS)}")
     ops = select_ops(kernels, threads, backend)
+    cache_type = resolve_cache_type(cache_type, loaded.config, backend.on_device)
     # the fast tier lives where the math runs, at stored size on the host (page-rounded under
     # O_DIRECT) and on a device (exact allocations)
     size_of = (lambda refs: refs.resident_bytes_for(False)) if backend.on_device else \
@@ -127,7 +135,7 @@ def build_engine(
         return plan_memory(loaded, b, kv_positions, experts_only, batch=batch, window=window,
                            reference_kernels=ops.name == "numpy", expert_bytes=size_of, direct=direct_io,
                            draft_head=draft_head_bytes(loaded, draft_vocab, backend.on_device),
-                           staged_prefetches=slots if backend.on_device else 0)
+                           staged_prefetches=slots if backend.on_device else 0, cache_type=cache_type)
 
     plan = make_plan(parsed)
     if memory_limit is not None and not backend.on_device:
@@ -185,9 +193,12 @@ def build_engine(
                          f"{fmt_bytes(plan.expert_capacity)} for experts; shorten the list or raise --budget")
     cache = ExpertCache(store, None if full else plan.expert_capacity, policy, hot, size, place=backend.upload_expert,
                         window=window, prefetch_slots=0 if full else slots)
-    if preload and full:
+    if preload == "background" and full:  # start like mmap: the prompt reads what it needs first
+        cache.fill_in_background(sorted(loaded.experts))
+    elif preload and full:
         _preload(cache, sorted(loaded.experts))
     model = MoEModel(loaded, cache, backend, ops)
+    model.cache_type = cache_type
     if chunk:
         model.prefill_chunk = chunk
     return Engine(loaded, model, cache, plan, parsed, emulation)

@@ -92,9 +92,12 @@ def assert_kv_is_fresh_prefill(model, kv, prompt, tokens) -> None:
     assert kv.length == len(text)
     fresh = model.new_cache(len(text))
     model.forward(text, fresh, record=False)
+    # rows computed in other batches differ in float32's last bits; a rounded cache (f16, runs'
+    # default) can then hold the neighbouring value: one step of its type
+    rtol = {"f32": 0.0, "f16": 2.0 ** -10, "q8_0": 1 / 127}[kv.cache_type]
     for L in range(model.config.num_layers):
-        np.testing.assert_allclose(kv.keys[L][:, :len(text)], fresh.keys[L], atol=1e-5)
-        np.testing.assert_allclose(kv.values[L][:, :len(text)], fresh.values[L], atol=1e-5)
+        for ours, theirs in zip(kv.view(L, len(text)), fresh.view(L, len(text))):
+            np.testing.assert_allclose(ours, theirs, atol=1e-5 + rtol * np.abs(theirs).max(), rtol=rtol)
 
 
 def invoke(app, *args) -> tuple[int, str, str]:

@@ -34,10 +34,12 @@ def _preload(model) -> None:
     model.experts.preload([(L, e) for L in range(c.num_layers) for e in range(c.num_experts)])
 
 
-def _run(one_call: bool, budget: str | None, fallback: str = "best", nan_layer: int | None = None):
+def _run(one_call: bool, budget: str | None, fallback: str = "best", nan_layer: int | None = None,
+         cache_type: str = "auto"):
     """48 decode passes, target and resident-only draft taking turns, some kept and some rolled back:
-    the logits, the routing, the KV cache and the cache's counts (everything but time)."""
-    model = build_engine(str(DEFAULT_MODEL), budget=budget).model
+    the logits, the routing, the KV cache (``cache_type``; runs default to f16) and the cache's counts
+    (everything but time)."""
+    model = build_engine(str(DEFAULT_MODEL), budget=budget, cache_type=cache_type).model
     if budget == "1.0":
         _preload(model)
     if not one_call:

@@ -318,7 +318,8 @@ def test_info_json(extra_dirs, family):
         assert 0 <= facts["expert_bytes_resident"] - facts["expert_bytes_stored"] < 2 * 4096
         shared = 2 * 3 * H * I * 2 * 4  # 2 MoE layers × gate/up/down, 2 shared experts wide, F32
         assert shared <= facts["shared_expert_bytes_resident"] <= shared + 6 * 2 * 4096  # page-rounded reads
-        assert facts["kv_bytes_per_position"] == 3 * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+        assert facts["kv_cache_type"] == "f16"  # runs' default
+        assert facts["kv_bytes_per_position"] == 3 * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
         assert "best 2 of 4 groups" in facts["router"]
     else:
         I = c.intermediate_size

@@ -474,6 +474,29 @@ CORE: list[Mutation] = [
              "every pass expects the compute probe's drift, whatever its misses"),
     Mutation("update-keeps-the-probe", "calib/update.py", '    fit.pop("probe", None)', "    pass",
              ["tests/test_profile_update.py", "-k", "takes_t_ar"], "a refit from a run keeps a probe of other constants"),
+    # -- KV cache types (model/kv_cache.py, csrc/cpu/attend.c) ----------------------------------------
+    Mutation("kv-q8-scale-128", "csrc/cpu/attend.c", "const float d = amax / 127.0f,", "const float d = amax / 128.0f,",
+             ["tests/test_kv_types.py"], "the C q8_0 cache quantiser's scale is not ggml's"),
+    Mutation("kv-f16-ties-up", "csrc/cpu/quant.h", "+ 0xfff + ((x >> 13) & 1);", "+ 0x1000;", ["tests/test_kv_types.py"],
+             "float32 -> f16 rounds ties up, not to even"),
+    Mutation("kv-f16-subnormal-step", "csrc/cpu/quant.h", "magic_bits = 126u << 23;", "magic_bits = 125u << 23;", ["tests/test_kv_types.py"],
+             "float32 -> f16 subnormals on the wrong step"),
+    Mutation("kv-q8-load-block-quarter", "csrc/cpu/attend.c", "(blk + 2 + 8 * (i & 3))", "(blk + 2 + 8 * (i & 1))",
+             ["tests/test_kv_types.py"], "the SIMD attention reads the wrong quarter of a q8_0 block"),
+    Mutation("kv-plan-counts-f32", "runtime/offload/memory.py", "kv = kv_bytes_per_position(c, cache_type) * kv_positions",
+             "kv = kv_bytes_per_position(c) * kv_positions", ["tests/test_kv_types.py"], "the plan counts a rounded KV cache at float32"),
+    Mutation("kv-q8-row-bytes", "runtime/model/kv_cache.py", "return width // Q8_BLOCK * Q8_BYTES",
+             "return width // Q8_BLOCK * Q8_BLOCK", ["tests/test_kv_types.py"], "a q8_0 row counted without its scales"),
+    Mutation("kv-default-f32", "runtime/model/kv_cache.py", 'chosen = ("f32" if on_device else "f16")',
+             'chosen = "f32"', ["tests/test_kv_types.py"], "runs keep a float32 KV cache by default"),
+    # -- start like mmap (offload/fill.py) --------------------------------------------------------------
+    Mutation("fill-during-prompt", "runtime/offload/fill.py", 'WAIT_PHASES = ("prefill", "load")', 'WAIT_PHASES = ("load",)',
+             ["tests/test_fill.py"], "the background fill competes with the prompt's reads"),
+    Mutation("fill-read-not-taken", "runtime/offload/cache.py",
+             "filling = [(key, f) for key in missing if self.fill is not None and (f := self.fill.take(key)) is not None]",
+             "filling = []", ["tests/test_fill.py"], "a pass reads an expert again while the fill's read of it is in flight"),
+    Mutation("fill-keeps-nothing", "runtime/offload/fill.py", "                cache._keep(key, cache.place(weights))",
+             "                pass", ["tests/test_fill.py"], "the fill reads experts and drops them"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND + PREFETCH

@@ -38,13 +38,51 @@ static void rope_row(float *x, const float *cos, const float *sin, long D, int i
     }
 }
 
+/* A cache row of D values written from float32 (RoPE already applied), rounded to the cache's type
+ * as model/kv_cache.py `KVCache.encode` rounds it, bit for bit (q8_0: ggml's reference quantiser). */
+static void kv_store_row(int kind, const float *x, long D, uint8_t *dst) {
+    if (kind == KV_F32) {
+        memcpy(dst, x, sizeof(float) * (size_t)D);
+    } else if (kind == KV_F16) {
+        for (long i = 0; i < D; i++) {
+            uint16_t h = f32_to_f16(x[i]);
+            memcpy(dst + 2 * i, &h, 2);
+        }
+    } else {
+        for (long b = 0; b < D / 32; b++, dst += 34) {
+            const float *v = x + 32 * b;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+            const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+            uint16_t h = f32_to_f16(d);
+            memcpy(dst, &h, 2);
+            for (int i = 0; i < 32; i++) dst[2 + i] = (uint8_t)(int8_t)roundf(v[i] * inv);
+        }
+    }
+}
+
+/* A cache row as float32: the row itself for f32, else decoded into tmp. */
+static const float *kv_load_row(int kind, const uint8_t *src, long D, float *tmp) {
+    if (kind == KV_F32) return (const float *)src;
+    if (kind == KV_F16) {
+        for (long i = 0; i < D; i++) tmp[i] = f16_to_f32(rd16(src + 2 * i));
+    } else {
+        for (long b = 0; b < D / 32; b++, src += 34) {
+            const float d = f16_to_f32(rd16(src));
+            for (int i = 0; i < 32; i++) tmp[32 * b + i] = d * (float)(int8_t)src[2 + i];
+        }
+    }
+    return tmp;
+}
+
 /* One head of one token, portable: o = Σ_s softmax(scale · q·K[s])_s V[s] over allowed slots. */
-static void head_portable(const float *q, const float *K, const float *V, const uint8_t *ok, long S, long D,
-                          float scale, const float *sink, float *scores, float *acc, float *o) {
+static void head_portable(int kind, const float *q, const uint8_t *K, const uint8_t *V, const uint8_t *ok, long S,
+                          long D, float scale, const float *sink, float *scores, float *acc, float *row, float *o) {
+    const size_t rb = (size_t)kv_row_bytes(kind, D);
     float top = -INFINITY;
     for (long s = 0; s < S; s++) {
         if (!ok[s]) continue;
-        const float *k = K + (size_t)s * D;
+        const float *k = kv_load_row(kind, K + (size_t)s * rb, D, row);
         float dot = 0.0f;
         for (long d = 0; d < D; d++) dot += q[d] * k[d];
         scores[s] = dot * scale;
@@ -55,7 +93,7 @@ static void head_portable(const float *q, const float *K, const float *V, const 
     for (long d = 0; d < D; d++) acc[d] = 0.0f;
     for (long s = 0; s < S; s++) {
         if (!ok[s]) continue;
-        const float w = expf(scores[s] - top), *v = V + (size_t)s * D;
+        const float w = expf(scores[s] - top), *v = kv_load_row(kind, V + (size_t)s * rb, D, row);
         total += w;
         for (long d = 0; d < D; d++) acc[d] += w * v[d];
     }
@@ -64,13 +102,25 @@ static void head_portable(const float *q, const float *K, const float *V, const 
 }
 
 #ifdef HAVE_AVX2_PATH
-/* One head of one token (see head_portable). N8 = D / 8 is a compile-time constant in each
- * instance, so the loops unroll and the accumulators live in registers: with a run-time width the
- * compiler kept them in memory, and each slot waited on a store and a reload (2.3x slower). */
+/* Values 8i..8i+7 of a cache row as float32: a load, a conversion of halves, or q8_0's int8 times
+ * its block's scale (exact in float32: an 11-bit scale times an 8-bit integer). */
+INLINE_AVX2 __m256 kv_load8(const int kind, const uint8_t *row, long i) {
+    if (kind == KV_F32) return _mm256_loadu_ps((const float *)row + 8 * i);
+    if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * i)));
+    const uint8_t *blk = row + 34 * (i >> 2);
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * (i & 3))));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(_cvtsh_ss(rd16(blk))));
+}
+
+/* One head of one token (see head_portable). N8 = D / 8 and the cache type are compile-time
+ * constants in each instance, so the loops unroll and the accumulators live in registers: with a
+ * run-time width the compiler kept them in memory, and each slot waited on a store and a reload
+ * (2.3x slower). */
 INLINE_AVX2 void head_avx2_n(
-    const long N8, const float *q, const float *K, const float *V, const uint8_t *ok, long S, float scale,
-    const float *sink, float *scores, float *o) {
+    const long N8, const int kind, const float *q, const uint8_t *K, const uint8_t *V, const uint8_t *ok, long S,
+    float scale, const float *sink, float *scores, float *o) {
     const long D = 8 * N8;
+    const size_t rb = (size_t)kv_row_bytes(kind, D);
     __m256 qv[N8];
     for (long i = 0; i < N8; i++) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), _mm256_set1_ps(scale));
     /* scores, 8 slots at a time: eight independent dot products, then one transposing reduction */
@@ -80,9 +130,9 @@ INLINE_AVX2 void head_avx2_n(
     for (; s0 + 8 <= S; s0 += 8) {
         __m256 a[8];
         for (int j = 0; j < 8; j++) {
-            const float *k = K + (size_t)(s0 + j) * D;
-            a[j] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-            for (long i = 1; i < N8; i++) a[j] = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), a[j]);
+            const uint8_t *k = K + (size_t)(s0 + j) * rb;
+            a[j] = _mm256_mul_ps(qv[0], kv_load8(kind, k, 0));
+            for (long i = 1; i < N8; i++) a[j] = _mm256_fmadd_ps(qv[i], kv_load8(kind, k, i), a[j]);
         }
         __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
         __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -100,9 +150,9 @@ INLINE_AVX2 void head_avx2_n(
             scores[s] = -INFINITY;
             continue;
         }
-        const float *k = K + (size_t)s * D;
-        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-        for (long i = 1; i < N8; i++) a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), a);
+        const uint8_t *k = K + (size_t)s * rb;
+        __m256 a = _mm256_mul_ps(qv[0], kv_load8(kind, k, 0));
+        for (long i = 1; i < N8; i++) a = _mm256_fmadd_ps(qv[i], kv_load8(kind, k, i), a);
         scores[s] = hsum(a);
         if (scores[s] > top) top = scores[s];
     }
@@ -127,41 +177,40 @@ INLINE_AVX2 void head_avx2_n(
         for (s = 0; s < S; s++) {
             const float w = scores[s];
             if (w == 0.0f) continue; /* masked, or too small to count */
-            const float *v = V + (size_t)s * D + 8 * c;
+            const uint8_t *v = V + (size_t)s * rb;
             const __m256 wv = _mm256_set1_ps(w);
-            for (long i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * i), acc[i]);
+            for (long i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(wv, kv_load8(kind, v, c + i), acc[i]);
         }
         for (long i = 0; i < n; i++) _mm256_storeu_ps(o + 8 * (c + i), _mm256_mul_ps(acc[i], inv));
     }
 }
 
-#define HEAD_N(N) \
-    AVX2 static void head_avx2_##N(const float *q, const float *K, const float *V, const uint8_t *ok, long S, \
-                                   float scale, const float *sink, float *scores, float *o) { \
-        head_avx2_n(N, q, K, V, ok, S, scale, sink, scores, o); \
+#define HEAD_N(N, KIND, SUF) \
+    AVX2 static void head_avx2_##N##SUF(const float *q, const uint8_t *K, const uint8_t *V, const uint8_t *ok, \
+                                        long S, float scale, const float *sink, float *scores, float *o) { \
+        head_avx2_n(N, KIND, q, K, V, ok, S, scale, sink, scores, o); \
     }
-HEAD_N(2)
-HEAD_N(4)
-HEAD_N(8)
-HEAD_N(12)
-HEAD_N(16)
-HEAD_N(24)
-HEAD_N(32)
+#define HEADS(N) HEAD_N(N, KV_F32, _f32) HEAD_N(N, KV_F16, _f16) HEAD_N(N, KV_Q8_0, _q8)
+HEADS(2)
+HEADS(4)
+HEADS(8)
+HEADS(12)
+HEADS(16)
+HEADS(24)
+HEADS(32)
 
-typedef void (*head_fn)(const float *, const float *, const float *, const uint8_t *, long, float, const float *,
+typedef void (*head_fn)(const float *, const uint8_t *, const uint8_t *, const uint8_t *, long, float, const float *,
                         float *, float *);
 
-/* The instance for a head width; NULL where there is none (the portable loop then). */
-static head_fn head_avx2(long D) {
-    switch (D) {
-    case 16: return head_avx2_2;
-    case 32: return head_avx2_4;
-    case 64: return head_avx2_8;
-    case 96: return head_avx2_12;
-    case 128: return head_avx2_16;
-    case 192: return head_avx2_24;
-    case 256: return head_avx2_32;
-    }
+/* The instance for a head width and cache type; NULL where there is none (the portable loop then). */
+static head_fn head_avx2(long D, int kind) {
+#define ROW(N) {head_avx2_##N##_f32, head_avx2_##N##_f16, head_avx2_##N##_q8}
+    static const head_fn table[7][3] = {ROW(2), ROW(4), ROW(8), ROW(12), ROW(16), ROW(24), ROW(32)};
+#undef ROW
+    static const long widths[7] = {16, 32, 64, 96, 128, 192, 256};
+    if (kind == KV_Q8_0 && D % 32) return NULL;
+    for (int i = 0; i < 7; i++)
+        if (widths[i] == D) return table[i][kind];
     return NULL;
 }
 #endif
@@ -170,18 +219,19 @@ static void attn_part(void *p, int ith, int nth) {
     const attn_job *j = p;
     const attn_args *a = j->a;
     const long D = a->D, S = a->start + a->T, group = a->nh / a->nkv;
+    const size_t plane = (size_t)a->cap * (size_t)kv_row_bytes(a->kv_type, D); /* one kv head's rows */
     long items = (long)a->nh * a->T;
     long i0, i1;
     pool_span(items, ith, nth, &i0, &i1);
-    float *scores = malloc(sizeof(float) * (size_t)(S + D)), *acc = scores + S;
+    float *scores = malloc(sizeof(float) * (size_t)(S + 2 * D)), *acc = scores + S, *row = acc + D;
     if (!scores) return;
 #ifdef HAVE_AVX2_PATH
-    head_fn fast = dot_simd() ? head_avx2(D) : NULL;
+    head_fn fast = dot_simd() ? head_avx2(D, a->kv_type) : NULL;
 #endif
     for (long it = i0; it < i1; it++) {
         long h = it / a->T, t = it % a->T, g = h / group;
         const float *q = j->qr + (size_t)t * a->nh * D + (size_t)h * D;
-        const float *K = a->kcache + (size_t)g * a->cap * D, *V = a->vcache + (size_t)g * a->cap * D;
+        const uint8_t *K = a->kcache + (size_t)g * plane, *V = a->vcache + (size_t)g * plane;
         const uint8_t *ok = a->allowed + (size_t)t * S;
         const float *sink = a->sinks ? a->sinks + h : NULL;
         float *o = a->out + (size_t)t * a->nh * D + (size_t)h * D;
@@ -191,15 +241,16 @@ static void attn_part(void *p, int ith, int nth) {
             continue;
         }
 #endif
-        head_portable(q, K, V, ok, S, D, a->scale, sink, scores, acc, o);
+        head_portable(a->kv_type, q, K, V, ok, S, D, a->scale, sink, scores, acc, row, o);
     }
     free(scores);
 }
 
 int op_attend(const attn_args *a) {
     const long D = a->D, T = a->T;
-    /* rotate q (a copy) and k (in the cache), write k and v into the cache */
-    float *qr = malloc(sizeof(float) * (size_t)T * a->nh * D + 1);
+    /* rotate q (a copy) and k, write k and v into the cache in its type */
+    const size_t rb = (size_t)kv_row_bytes(a->kv_type, D);
+    float *qr = malloc(sizeof(float) * ((size_t)T * a->nh * D + (size_t)D) + 1), *kr = qr + (size_t)T * a->nh * D;
     if (!qr) return -2;
     for (long t = 0; t < T; t++) {
         const float *cos = a->cos + (size_t)t * (D / 2), *sin = a->sin + (size_t)t * (D / 2);
@@ -209,13 +260,11 @@ int op_attend(const attn_args *a) {
             if (a->rope) rope_row(x, cos, sin, D, a->interleave);
         }
         for (long g = 0; g < a->nkv; g++) {
-            float *kc = a->kcache + ((size_t)g * a->cap + (size_t)(a->start + t)) * D;
-            float *vc = a->vcache + ((size_t)g * a->cap + (size_t)(a->start + t)) * D;
-            for (long d = 0; d < D; d++) {
-                kc[d] = a->k[(size_t)t * a->nkv * D + (size_t)g * D + d];
-                vc[d] = a->v[(size_t)t * a->nkv * D + (size_t)g * D + d];
-            }
-            if (a->rope) rope_row(kc, cos, sin, D, a->interleave);
+            const size_t at = ((size_t)g * a->cap + (size_t)(a->start + t)) * rb;
+            memcpy(kr, a->k + (size_t)t * a->nkv * D + (size_t)g * D, sizeof(float) * (size_t)D);
+            if (a->rope) rope_row(kr, cos, sin, D, a->interleave);
+            kv_store_row(a->kv_type, kr, D, a->kcache + at);
+            kv_store_row(a->kv_type, a->v + (size_t)t * a->nkv * D + (size_t)g * D, D, a->vcache + at);
         }
     }
     attn_job j = {qr, a};

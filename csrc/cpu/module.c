@@ -178,16 +178,21 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     Py_buffer b[10];
     memset(b, 0, sizeof(b));
     PyObject *result = NULL;
-    for (int i = 0; i < 10; i++)
-        if (o[i] != Py_None && get_buf(o[i], &b[i], kinds[i], writable[i], names[i]) < 0) goto done;
+    int kt = -1, vt = -1;
+    for (int i = 0; i < 10; i++) {
+        if (i == 3 || i == 4) {
+            if (get_kv_buf(o[i], &b[i], names[i], i == 3 ? &kt : &vt) < 0) goto done;
+        } else if (o[i] != Py_None && get_buf(o[i], &b[i], kinds[i], writable[i], names[i]) < 0)
+            goto done;
+    }
     if (nh <= 0 || nkv <= 0 || D <= 0 || D % 2 || nh % nkv || start < 0 || !b[0].buf) {
         PyErr_SetString(PyExc_ValueError, "attend: bad head counts or head width");
         goto done;
     }
-    long T = (long)(b[0].len / 4 / (nh * D)), cap = (long)(b[3].len / 4 / (nkv * D)), S = start + T;
+    long T = (long)(b[0].len / 4 / (nh * D)), cap = 0, S = start + T;
+    if (check_kv(&b[3], &b[4], kt, vt, nkv, D, &cap) < 0) goto done;
     if (T <= 0 || b[0].len != (Py_ssize_t)T * nh * D * 4 || check_len(&b[1], (Py_ssize_t)T * nkv * D * 4, "k") < 0 ||
         check_len(&b[2], (Py_ssize_t)T * nkv * D * 4, "v") < 0 || S > cap ||
-        b[3].len != (Py_ssize_t)cap * nkv * D * 4 || check_len(&b[4], b[3].len, "vcache") < 0 ||
         check_len(&b[5], (Py_ssize_t)T * (D / 2) * 4, "cos") < 0 || check_len(&b[6], b[5].len, "sin") < 0 ||
         check_len(&b[7], (Py_ssize_t)T * S, "allowed") < 0 || (b[8].buf && check_len(&b[8], nh * 4, "sinks") < 0) ||
         check_len(&b[9], b[0].len, "out") < 0) {
@@ -195,7 +200,7 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
         goto done;
     }
     attn_args a = {b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf, b[5].buf, b[6].buf, b[7].buf,
-                   b[8].buf, b[9].buf, T, nh, nkv, D, cap, start, scale, rope, interleave};
+                   b[8].buf, b[9].buf, T, nh, nkv, D, cap, start, scale, rope, interleave, kt};
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = op_attend(&a);
     Py_END_ALLOW_THREADS if (rc) PyErr_NoMemory();
@@ -228,8 +233,13 @@ static PyObject *py_attn_block(PyObject *self, PyObject *args) {
     Py_buffer b[NB];
     memset(b, 0, sizeof(b));
     PyObject *result = NULL;
-    for (int i = 0; i < NB; i++)
-        if (o[i] != Py_None && get_buf(o[i], &b[i], kinds[i], i == KC || i == VC || i == OUT, names[i]) < 0) goto done;
+    int kt = -1, vt = -1;
+    for (int i = 0; i < NB; i++) {
+        if (i == KC || i == VC) {
+            if (get_kv_buf(o[i], &b[i], names[i], i == KC ? &kt : &vt) < 0) goto done;
+        } else if (o[i] != Py_None && get_buf(o[i], &b[i], kinds[i], i == OUT, names[i]) < 0)
+            goto done;
+    }
     if (nh <= 0 || nkv <= 0 || D <= 0 || D % 2 || nh % nkv || start < 0 || qk_norm < 0 || qk_norm > 2 ||
         !b[H_].buf || !b[NORM].buf || !b[QKV].buf || !b[O].buf || !b[KC].buf || !b[VC].buf || !b[OUT].buf ||
         (qk_norm && (!b[QN].buf || !b[KN].buf))) {
@@ -237,13 +247,14 @@ static PyObject *py_attn_block(PyObject *self, PyObject *args) {
         goto done;
     }
     long H = (long)(b[NORM].len / 4), T = H > 0 ? (long)(b[H_].len / 4 / H) : 0, nq = nh * D, N = nq + 2 * nkv * D;
-    long cap = (long)(b[KC].len / 4 / (nkv * D)), S = start + T;
+    long cap = 0, S = start + T;
+    if (check_kv(&b[KC], &b[VC], kt, vt, nkv, D, &cap) < 0) goto done;
     long qn = qk_norm == 1 ? nq : D, kn = qk_norm == 1 ? nkv * D : D;
     if (T <= 0 || b[H_].len != (Py_ssize_t)T * H * 4 || check_weights(&b[QKV], qkv_type, N, H, "qkv") < 0 ||
         check_weights(&b[O], o_type, H, nq, "o") < 0 || (b[QKVB].buf && check_len(&b[QKVB], N * 4, "qkv_bias") < 0) ||
         (b[OB].buf && check_len(&b[OB], H * 4, "o_bias") < 0) ||
         (qk_norm && (check_len(&b[QN], qn * 4, "q_norm") < 0 || check_len(&b[KN], kn * 4, "k_norm") < 0)) ||
-        S > cap || b[KC].len != (Py_ssize_t)cap * nkv * D * 4 || check_len(&b[VC], b[KC].len, "vcache") < 0 ||
+        S > cap ||
         check_len(&b[COS], (Py_ssize_t)T * (D / 2) * 4, "cos") < 0 || check_len(&b[SIN], b[COS].len, "sin") < 0 ||
         check_len(&b[ALLOWED], (Py_ssize_t)T * S, "allowed") < 0 ||
         (b[SINKS].buf && check_len(&b[SINKS], nh * 4, "sinks") < 0) || check_len(&b[OUT], b[H_].len, "out") < 0) {
@@ -253,7 +264,7 @@ static PyObject *py_attn_block(PyObject *self, PyObject *args) {
     attn_block_args a = {b[H_].buf, b[NORM].buf, eps, qkv_type, o_type, b[QKV].buf, b[O].buf, b[QKVB].buf,
                          b[OB].buf, qk_norm, b[QN].buf, b[KN].buf, b[OUT].buf, T, H, nh, nkv, D,
                          {NULL, NULL, NULL, b[KC].buf, b[VC].buf, b[COS].buf, b[SIN].buf, b[ALLOWED].buf,
-                          b[SINKS].buf, NULL, T, nh, nkv, D, cap, start, scale, 1, interleave}};
+                          b[SINKS].buf, NULL, T, nh, nkv, D, cap, start, scale, 1, interleave, kt}};
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = op_attn_block(&a);
     Py_END_ALLOW_THREADS if (rc == -2) PyErr_NoMemory();

@@ -25,10 +25,18 @@ int op_dequant_rows(int type, const uint8_t *W, long N, long K, const int64_t *i
 int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float *out, int act, float alpha,
            float limit);
 
+/* KV cache types (model/kv_cache.py): a position's head row is D floats, D halves, or D/32 blocks
+ * of ggml's q8_0 (f16 scale, 32 int8). Rows are rounded once, when written. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 2 };
+
+static inline long kv_row_bytes(int kv_type, long D) {
+    return kv_type == KV_F32 ? 4 * D : kv_type == KV_F16 ? 2 * D : (D % 32 ? 0 : D / 32 * 34);
+}
+
 /* Grouped-query attention of T new tokens at positions start.. over one layer's KV cache. */
 typedef struct {
     const float *q, *k, *v;       /* [T, nh*D], [T, nkv*D], [T, nkv*D] (before RoPE) */
-    float *kcache, *vcache;       /* [nkv, cap, D]: positions start..start+T-1 are written */
+    uint8_t *kcache, *vcache;     /* [nkv, cap, row]: positions start..start+T-1 are written */
     const float *cos, *sin;       /* [T, D/2] */
     const uint8_t *allowed;       /* [T, start+T]: which slots each token sees */
     const float *sinks;           /* [nh] or NULL: a logit that joins each head's normaliser */
@@ -36,6 +44,7 @@ typedef struct {
     long T, nh, nkv, D, cap, start;
     float scale;
     int rope, interleave;
+    int kv_type;                  /* KV_F32, KV_F16 or KV_Q8_0 */
 } attn_args;
 
 int op_attend(const attn_args *a);

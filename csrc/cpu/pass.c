@@ -34,9 +34,10 @@ typedef struct {
 enum { STOPPED = 0, DONE = 1, FAILED = -1 };
 
 /* a layer's buffers checked against the pass's sizes (py_attn_block's checks, at one token) */
-static int check_layer(Py_buffer *b, int qkv_type, int o_type, int qk_norm, PyObject *table, const pass_args *p) {
+static int check_layer(Py_buffer *b, int qkv_type, int o_type, int qk_norm, PyObject *table, const pass_args *p,
+                       int kt, int vt, long *cap) {
     const long H = p->H, D = p->D, nq = p->nh * D, N = nq + 2 * p->nkv * D;
-    const long cap = (long)(b[KC].len / 4 / (p->nkv * D)), qn = qk_norm == 1 ? nq : D, kn = qk_norm == 1 ? p->nkv * D : D;
+    const long qn = qk_norm == 1 ? nq : D, kn = qk_norm == 1 ? p->nkv * D : D;
     if (!b[ANORM].buf || !b[QKV].buf || !b[O].buf || !b[FNORM].buf || !b[ROUTER].buf || !b[KC].buf || !b[VC].buf ||
         qk_norm < 0 || qk_norm > 2 || (qk_norm && (!b[QN].buf || !b[KN].buf)) || !PyList_Check(table) ||
         PyList_GET_SIZE(table) != p->E) {
@@ -50,9 +51,10 @@ static int check_layer(Py_buffer *b, int qkv_type, int o_type, int qk_norm, PyOb
         (qk_norm && (check_len(&b[QN], qn * 4, "q_norm") < 0 || check_len(&b[KN], kn * 4, "k_norm") < 0)) ||
         (b[SINKS].buf && check_len(&b[SINKS], p->nh * 4, "sinks") < 0) ||
         check_len(&b[ROUTER], p->E * H * 4, "router") < 0 || (b[RBIAS].buf && check_len(&b[RBIAS], p->E * 4, "router_bias") < 0) ||
-        (b[ALLOWED].buf && check_len(&b[ALLOWED], p->E, "allowed") < 0) || check_len(&b[VC], b[KC].len, "vcache") < 0)
+        (b[ALLOWED].buf && check_len(&b[ALLOWED], p->E, "allowed") < 0) ||
+        check_kv(&b[KC], &b[VC], kt, vt, p->nkv, D, cap) < 0)
         return -1;
-    if (p->start + 1 > cap || b[KC].len != (Py_ssize_t)cap * p->nkv * D * 4) {
+    if (p->start + 1 > *cap) {
         PyErr_SetString(PyExc_ValueError, "decode_pass: the KV cache has no slot at start, or is not [nkv, cap, D]");
         return -1;
     }
@@ -75,15 +77,20 @@ static int layer(PyObject *item, const pass_args *p, float *h, float *scores, in
     Py_buffer b[LB];
     memset(b, 0, sizeof(b));
     int status = FAILED, rc;
-    for (int i = 0; i < LB; i++)
-        if (o[i] != Py_None && get_buf(o[i], &b[i], lkinds[i], i == KC || i == VC, lnames[i]) < 0) goto done;
-    if (check_layer(b, qkv_type, o_type, qk_norm, table, p) < 0) goto done;
+    int kt = -1, vt = -1;
+    long cap = 0;
+    for (int i = 0; i < LB; i++) {
+        if (i == KC || i == VC) {
+            if (get_kv_buf(o[i], &b[i], lnames[i], i == KC ? &kt : &vt) < 0) goto done;
+        } else if (o[i] != Py_None && get_buf(o[i], &b[i], lkinds[i], 0, lnames[i]) < 0)
+            goto done;
+    }
+    if (check_layer(b, qkv_type, o_type, qk_norm, table, p, kt, vt, &cap) < 0) goto done;
     const long H = p->H;
     attn_block_args a = {h, b[ANORM].buf, p->eps, qkv_type, o_type, b[QKV].buf, b[O].buf, b[QKVB].buf, b[OB].buf,
                          qk_norm, b[QN].buf, b[KN].buf, p->att, 1, H, p->nh, p->nkv, p->D,
                          {NULL, NULL, NULL, b[KC].buf, b[VC].buf, p->cos, p->sin, p->vis, b[SINKS].buf, NULL, 1, p->nh,
-                          p->nkv, p->D, (long)(b[KC].len / 4 / (p->nkv * p->D)), p->start, p->attn_scale, 1,
-                          p->interleave}};
+                          p->nkv, p->D, cap, p->start, p->attn_scale, 1, p->interleave, kt}};
     Py_BEGIN_ALLOW_THREADS rc = op_attn_block(&a);
     if (!rc) {
         op_rms_norm(p->att, b[FNORM].buf, 1, H, p->eps, p->x);

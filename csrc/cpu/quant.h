@@ -91,6 +91,28 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
+/* float32 -> f16 bits, rounded to nearest even (as NumPy's astype and F16C): the exponent rebiased
+ * with the mantissa's dropped bits rounded by integer addition; results below f16's normal range
+ * come from one float addition that lines the value up with f16's subnormal step. */
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x, sign;
+    memcpy(&x, &f, 4);
+    sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x >= 0x47800000u) return (uint16_t)(sign | (x > 0x7f800000u ? 0x7e00 : 0x7c00)); /* >= 65536, inf, NaN */
+    if (x < 0x38800000u) { /* below 2^-14: subnormal or zero */
+        const uint32_t magic_bits = 126u << 23; /* 0.5: its ulp is f16's subnormal step, 2^-24 */
+        float a, magic;
+        memcpy(&a, &x, 4);
+        memcpy(&magic, &magic_bits, 4);
+        a += magic;
+        memcpy(&x, &a, 4);
+        return (uint16_t)(sign | (x - magic_bits));
+    }
+    x += ((uint32_t)(15 - 127) << 23) + 0xfff + ((x >> 13) & 1);
+    return (uint16_t)(sign | (x >> 13)); /* a carry past 0x7bff gives 0x7c00: inf, as it should */
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from .common import out, print_json, resolve_model
 from .errors import cli_errors
+from ..model.kv_cache import kv_bytes_per_position
 
 
 def _router(c) -> str:
@@ -30,7 +31,7 @@ def _attention(c) -> str:
     return text + (", sinks" if c.attention_sinks else "")
 
 
-def describe(loaded) -> dict:
+def describe(loaded, cache_type: str = "f32") -> dict:
     c = loaded.config
     any_expert = next(iter(loaded.experts.values()))
     shared = sum(s.resident_bytes() for k, s in loaded.dense_specs.items() if k.split(".")[-1].startswith("shared_"))
@@ -60,7 +61,7 @@ def describe(loaded) -> dict:
         "expert_bytes_resident_total": loaded.expert_resident_bytes,
         "shared_expert_intermediate_size": c.shared_expert_intermediate_size,
         "shared_expert_bytes_resident": shared,  # part of the dense bytes: never offloaded
-        "kv_bytes_per_position": c.kv_floats_per_position * 4,
+        "kv_bytes_per_position": kv_bytes_per_position(c, cache_type),
         "dense_bytes_stored": loaded.dense_stored_bytes,
         "dense_bytes_resident": loaded.dense_bytes,
         "context_length": c.max_position_embeddings,
@@ -76,16 +77,19 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def memory_plan(loaded, budget, expert_budget, positions: int, kernels: str = "auto") -> dict:
+def memory_plan(loaded, budget, expert_budget, positions: int, kernels: str = "auto", cache_type: str = "auto") -> dict:
     """The plan a run with these settings would make (nothing is loaded to make it)."""
     from ..kernels import select_ops
+    from ..model.kv_cache import resolve_cache_type
     from ..offload.memory import Budget, plan_memory
 
     ops = select_ops(kernels)
+    cache_type = resolve_cache_type(cache_type, loaded.config)
     plan = plan_memory(loaded, Budget.parse(budget),
                        positions, Budget.parse(expert_budget, "--expert-budget") if expert_budget else None,
-                       reference_kernels=ops.name == "numpy")
-    return {"budget": budget or "full", "kv_positions": positions, "kernels": ops.name, **plan.to_dict()}
+                       reference_kernels=ops.name == "numpy", cache_type=cache_type)
+    return {"budget": budget or "full", "kv_positions": positions, "kv_cache_type": cache_type, "kernels": ops.name,
+            **plan.to_dict()}
 
 
 def info(
@@ -93,6 +97,7 @@ def info(
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Show the memory plan for this budget (16g, 512m, 0.25)."),
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="… and this expert budget."),
     ctx: Optional[int] = typer.Option(None, "--ctx-size", min=1, help="KV positions to plan for (default: the model's context, at most 4096)."),
+    cache_type: str = typer.Option("auto", "--cache-type", help="KV cache type to plan: f32, f16 or q8_0 (auto: f16)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
     """Show a model's architecture, layer/expert counts, byte sizes and memory plan."""
@@ -100,9 +105,13 @@ def info(
         from ..model.loader import load_model
 
         loaded = load_model(resolve_model(model), dense=False)  # sizes come from the index: nothing read
-        facts = describe(loaded)
+        from ..model.kv_cache import resolve_cache_type
+
+        cache_type = resolve_cache_type(cache_type, loaded.config)
+        facts = describe(loaded, cache_type)
+        facts["kv_cache_type"] = cache_type
         positions = ctx or min(loaded.config.max_position_embeddings or 4096, 4096)
-        facts["memory_plan"] = memory_plan(loaded, budget, expert_budget, positions)
+        facts["memory_plan"] = memory_plan(loaded, budget, expert_budget, positions, cache_type=cache_type)
         if json_out:
             print_json(facts)
             return

@@ -53,6 +53,8 @@ def run(
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Memory for resident experts only (same forms as --budget)."),
     memory_limit: str = typer.Option("auto", "--memory-limit", help="Memory for the whole process (16g, 512m); the plan takes it less what the process holds. auto (default): the memory cgroup's limit, else MemAvailable, where the model does not fit; none: off. A --budget given instead wins over auto."),
     kernels: str = typer.Option("auto", "--kernels", help="auto (compiled CPU kernels when built), cpu, or numpy (the reference path)."),
+    load: str = typer.Option("background", "--load", help="Every expert resident: read the ones the prompt needs, then the rest while decoding (background, as mmap starts), or all before the prompt (now)."),
+    cache_type: str = typer.Option("auto", "--cache-type", help="KV cache type: f32, f16 or q8_0 (llama.cpp's block of 32). auto: f16, or f32 on a GPU backend."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads (default: the cores this process may use)."),
     hot_experts: Optional[str] = typer.Option(None, "--hot-experts", help='Pinned experts, JSON {"gpu_experts": [[layer, expert], ...]}.'),
     cache_policy: str = typer.Option("lfu", "--cache-policy", help="Replacement policy for non-pinned experts: lfu or lru."),
@@ -112,7 +114,7 @@ def run(
                              cache_policy=cache_policy, emulate_bandwidth=emulate_bandwidth,
                              emulate_latency=emulate_latency, offload_tier=offload_tier,
                              expert_budget=expert_budget, kernels=kernels, threads=threads,
-                             memory_limit=memory_limit, prompt_tokens=len(ids))
+                             memory_limit=memory_limit, prompt_tokens=len(ids), cache_type=cache_type, load=load)
         costs = chosen.profile.costs if chosen.profile is not None else None
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
             costs = estimate_costs(engine.model, ids, settings_policy(settings),
@@ -251,7 +253,8 @@ def fit_context(prompt_tokens: int, max_tokens: int, context: int) -> int:
 
 def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch: int, *, cache_policy: str,
                 emulate_bandwidth, emulate_latency: float, offload_tier, expert_budget, kernels: str, threads,
-                memory_limit: str = "auto", prompt_tokens: int = 0):
+                memory_limit: str = "auto", prompt_tokens: int = 0, cache_type: str = "auto",
+                load: str = "background"):
     """The engine for one model and method as `run`, `serve` and `bench` build it: the profile's tier
     and fetch threads unless flags say otherwise, prefetch slots only where drafts predict, planned
     to the process's memory limit where no budget is given (offload/limits.py)."""
@@ -263,16 +266,24 @@ def open_engine(loaded, spec, settings, chosen, arrays, kv_positions: int, batch
                           emulate_bandwidth, emulate_latency, loaded=loaded, backend=arrays,
                           offload_tier=offload_tier or engine_tier(device.get("offload_tier")),
                           fetch_threads=offload.get("fetch_threads"), expert_budget=expert_budget,
-                          kernels=kernels, threads=threads, preload=True, budget_from=chosen.budget_from,
+                          kernels=kernels, threads=threads, preload=_load_mode(load), budget_from=chosen.budget_from,
                           trim_hot=chosen.trim_hot, batch=batch,
                           prefetch_slots=settings.slots_for(spec),
                           draft_vocab=0 if spec.admit == "none" else settings.draft_vocab, memory_limit=memory_limit,
-                          prompt_tokens=prompt_tokens)
+                          prompt_tokens=prompt_tokens, cache_type=cache_type)
     if engine.model.ops.reason.startswith("auto: the compiled"):
         say(f"note: {engine.model.ops.reason}; running on NumPy", "yellow")
     if engine.emulation.active:
         say(f"{engine.emulation.describe()}: timings are not this machine's", "yellow")
     return engine
+
+
+def _load_mode(load: str):
+    from ..errors import UsageError
+
+    if load not in ("background", "now"):
+        raise UsageError(f"--load {load!r}: choose background or now")
+    return "background" if load == "background" else True
 
 
 def _per_token(report: dict, generated: int) -> dict:

@@ -24,6 +24,8 @@ def serve(
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget for the model (as in run)."),
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="Memory for resident experts only."),
     kernels: str = typer.Option("auto", "--kernels", help="auto, cpu or numpy."),
+    load: str = typer.Option("background", "--load", help="Every expert resident: read the ones the prompt needs, then the rest while decoding (background, as mmap starts), or all before the prompt (now)."),
+    cache_type: str = typer.Option("auto", "--cache-type", help="KV cache type: f32, f16 or q8_0 (llama.cpp's block of 32). auto: f16, or f32 on a GPU backend."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template file (default: tokenizer_config.json's)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) instead of the model's."),
@@ -52,26 +54,28 @@ def serve(
         from ..serve.chat import load_chat_template
         from ..serve.worker import Worker
         from .run import _unused_costs, open_engine, settings_policy
+        from ..model.kv_cache import resolve_cache_type
         from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings
 
         spec = get_method(method, reuse_gating=False if no_rg else None)
         loaded = load_model(resolve_model(model), dense=False)
         c = loaded.config
-        context = ctx_size or c.max_position_embeddings
-        if context > c.max_position_embeddings:
-            say(f"warning: --ctx-size {context} is above the {c.max_position_embeddings} positions the model was "
+        if ctx_size and ctx_size > c.max_position_embeddings:
+            say(f"warning: --ctx-size {ctx_size} is above the {c.max_position_embeddings} positions the model was "
                 "trained for; quality past them is not known", "yellow")
         chosen = apply_profile(profile, loaded, budget, None)
+        arrays = select_backend("auto")
+        context = ctx_size or default_context(loaded, chosen.budget, resolve_cache_type(cache_type, c, arrays.on_device))
         settings = make_settings(c, None, None, None, None, SpecSettings.rg_variant, chosen.profile, acceptance=acceptance,
                                  ae_lookahead=ae_lookahead, draft_vocab=draft_vocab, token_ranks=token_ranks)
         check_draft_vocab(loaded, settings, draft_vocab)
         tok = load_tokenizer(loaded, tokenizer)
         template = load_chat_template(loaded.path, chat_template)
         slack = 2 * max(settings.draft_cap, 8) + 2  # drafted positions past the context, rolled back
-        engine = open_engine(loaded, spec, settings, chosen, select_backend("auto"), context + slack,
+        engine = open_engine(loaded, spec, settings, chosen, arrays, context + slack,
                              batch=max(64, 1 + 2 * settings.draft_cap), cache_policy="lfu", emulate_bandwidth=None,
                              emulate_latency=0.0, offload_tier=None, expert_budget=expert_budget, kernels=kernels,
-                             threads=threads)
+                             threads=threads, cache_type=cache_type, load=load)
         costs = chosen.profile.costs if chosen.profile is not None else None
         if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
             costs = estimate_costs(engine.model, tok.encode("def main():\n    return 0\n").ids, settings_policy(settings),
@@ -88,3 +92,35 @@ def serve(
         finally:
             app.state.pool.shutdown(wait=False, cancel_futures=True)
             engine.close()
+
+
+KV_SHARE = 0.25  # a default context's KV cache takes at most this share of the model's memory
+
+
+def default_context(loaded, budget: str | None, cache_type: str) -> int:
+    """The model's trained context, capped so its KV cache takes at most a quarter of the memory
+    the model may use (a --budget in bytes, else the memory cgroup's limit or MemAvailable), in
+    whole 256s; the cap is said in one line. A share budget puts the KV on top of the experts'
+    share: no cap."""
+    from ..model.kv_cache import kv_bytes_per_position
+    from ..offload.limits import find_headroom
+    from ..offload.memory import Budget, fmt_bytes
+
+    trained = loaded.config.max_position_embeddings
+    parsed = Budget.parse(budget)
+    if parsed.total_bytes is not None:
+        room, where = parsed.total_bytes, "--budget"
+    elif parsed.full:
+        found = find_headroom("auto")
+        if found is None:
+            return trained
+        room, where = found.model_budget(), found.source
+    else:
+        return trained
+    per = kv_bytes_per_position(loaded.config, cache_type)
+    fits = max(256, int(KV_SHARE * room / per) // 256 * 256)
+    if fits >= trained:
+        return trained
+    say(f"note: context {fits} of the model's {trained}: a {cache_type} KV cache of {fmt_bytes(fits * per)}, a "
+        f"quarter of the {fmt_bytes(room)} the model may use ({where}); --ctx-size sets it", "yellow")
+    return fits

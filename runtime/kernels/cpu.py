@@ -103,9 +103,16 @@ def _expert_args(w) -> tuple | None:
     return args
 
 
+def _kv_fits(kv, keys, D: int) -> bool:
+    """A host KV cache of a type the C attention reads, keys and values D wide."""
+    return (isinstance(keys, np.ndarray) and kv.cache_type in CpuOps.kv_types
+            and kv.key_dim == D and kv.value_dim == D)
+
+
 class CpuOps(ReferenceOps):
     name = "cpu"
     attention_blocks = True  # forward.py calls gqa_block on every pass (device ops: short passes only)
+    kv_types = ("f32", "f16", "q8_0")  # KV cache types the C attention reads and writes (model/kv_cache.py)
     route_kinds = tuple(ROUTE_KINDS)  # the router kinds `decode_pass` routes
 
     def __init__(self, threads: int | None = None, reason: str = "requested"):
@@ -133,8 +140,8 @@ class CpuOps(ReferenceOps):
         verification: a few tokens against the cache, where NumPy's per-op cost dominated)."""
         keys, values = kv.keys[L], kv.values[L]
         cos, sin = cs
-        plain = all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (q, k, v, keys, values, cos, sin))
-        if not plain or keys.shape[-1] != D or values.shape[-1] != D or cos.shape[-1] * 2 != D:
+        plain = all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (q, k, v, cos, sin))
+        if not plain or not _kv_fits(kv, keys, D) or cos.shape[-1] * 2 != D:
             return super().attend(q, k, v, kv, L, start, cs, allowed, sinks, nh, nkv, D, scale, interleave)
         out = np.empty((q.shape[0], nh * D), dtype=np.float32)
         _cpu.attend(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), keys, values,
@@ -180,8 +187,8 @@ class CpuOps(ReferenceOps):
         keys, values = kv.keys[L], kv.values[L]
         cos, sin = cs
         D = c.head_dim
-        if (fixed is None or not all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (h, keys, values, cos, sin))
-                or keys.shape[-1] != D or cos.shape[-1] * 2 != D):
+        if (fixed is None or not all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (h, cos, sin))
+                or not _kv_fits(kv, keys, D) or cos.shape[-1] * 2 != D):
             return None
         qkv, qkv_type, qkv_bias, o, o_type, o_bias, mode, qn, kn, sinks = fixed
         out = np.empty(h.shape, np.float32)

@@ -50,6 +50,7 @@ class ReferenceOps:
     """The seam's NumPy implementation (also serves device arrays: `x @ W.T` on CuPy)."""
 
     name = "numpy"
+    kv_types: tuple[str, ...] = ()  # KV cache types read in one C call (the NumPy path reads every type)
 
     def __init__(self, reason: str = "requested"):
         self.reason = reason

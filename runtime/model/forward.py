@@ -98,6 +98,7 @@ class MoEModel:
             experts = ExpertCache(ExpertStore(loaded, direct=False), capacity_bytes=None, place=backend.upload_expert)
         self.experts = experts
         self.prefill_chunk = PREFILL_CHUNK  # the most prompt tokens one pass runs (the plan's batch)
+        self.cache_type = "f32"  # KV caches this model makes (model/kv_cache.py); runs default to f16
         self._inv_freq, self._rope_factor = rope.inv_freq_and_factor(self.config)
         self._attention_kind = ATTENTION[self.config.attention]
         self._rope_one: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # position -> its cos, sin
@@ -154,7 +155,7 @@ class MoEModel:
         return self._device_order if self.backend.on_device else self.loaded.head_order
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache.for_config(self.config, capacity, xp=self.backend.xp)
+        return KVCache.for_config(self.config, capacity, xp=self.backend.xp, cache_type=self.cache_type)
 
     # -- pieces -------------------------------------------------------------------------------
     def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -301,7 +302,7 @@ class MoEModel:
             self._pass_layers, self._pass_weights = _one_call_layers(self), self.W
         c = self.config
         return (bool(self._pass_layers) and policy.selection_bias is None and isinstance(self.split, _NoSplit)
-                and (head is None or _stored(head.weight)) and kv.keys[0].dtype == np.float32
+                and (head is None or _stored(head.weight)) and kv.cache_type in self.ops.kv_types
                 and (not policy.layer_top_k or len({policy.k_for(L, c.top_k) for L in range(c.num_layers)}) == 1))
 
     def _one_call(self, h, kv: KVCache, start: int, cs, vis, policy: RoutingPolicy, rec: RoutingRecord | None,

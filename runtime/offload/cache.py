@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .experts import ExpertWeights
+from .fill import BackgroundFill
 from .policies import LRU, POLICIES, DecayedLFU  # noqa: F401 (LRU, DecayedLFU: imported from here too)
 
 Key = tuple[int, int]
@@ -151,6 +152,7 @@ class ExpertCache:
         self.phase = "ar"
         self._pass_keys: set[Key] | None = None
         self.trace: list | None = None  # set to a list to record every pass's experts, in request order
+        self.fill: BackgroundFill | None = None  # the rest of a full residency, read after the prompt (fill.py)
         self.pin(list(hot), resident_size)
 
     # -- phases and passes ----------------------------------------------------------------------
@@ -163,6 +165,8 @@ class ExpertCache:
             self.phase = previous
 
     def begin_pass(self, n_tokens: int = 0) -> None:
+        if self.fill is not None and self.fill.active:
+            self.fill.step()
         self._pass_keys = set()
         if self.trace is not None:  # a routing trace (runtime/decoding/trace.py): [phase, tokens, keys]
             self.trace.append([self.phase, int(n_tokens), []])
@@ -219,6 +223,17 @@ class ExpertCache:
                 self.get(L, experts)
                 if progress:
                     progress(len(experts))
+
+    def fill_in_background(self, keys: Sequence[Key]) -> None:
+        """Make ``keys`` resident after the prompt, on the fetch threads (fill.py); now, where the
+        store has no fetch threads."""
+        if getattr(self.store, "submit", None) is None:
+            return self.preload(keys)
+        self.fill = BackgroundFill(self, [k for k in keys if k not in self.held])
+
+    def stop_fill(self) -> None:
+        if self.fill is not None:
+            self.fill.stop()
 
     def clear(self) -> None:
         """Evict every expert that is not pinned (calibration sets cache states this way)."""
@@ -348,8 +363,9 @@ class ExpertCache:
         protected = set(keys)
         # experts a draft prefetched are in flight or read already: they go first, outside the window
         ahead = [(key, self._prefetched.pop(key)) for key in missing if key in self._prefetched]
-        pending = deque(key for key in missing if key not in dict(ahead))
-        inflight = deque((key, future) for key, (future, _, _) in ahead)
+        filling = [(key, f) for key in missing if self.fill is not None and (f := self.fill.take(key)) is not None]
+        pending = deque(key for key in missing if key not in dict(ahead) and key not in dict(filling))
+        inflight = deque([(key, future) for key, (future, _, _) in ahead] + filling)
         issued = {key: (t, done) for key, (_, t, done) in ahead}
         self.prefetch_stats.used += len(ahead)
         if self.phase == "verify" and self.prefetch_slots:
@@ -564,6 +580,7 @@ class ExpertCache:
         return {
             **({"read_buffers": pool.stats()} if pool is not None else {}),
             "prefetch": self.prefetch_stats.to_dict(),
+            **({"fill": self.fill.report()} if self.fill is not None else {}),
             "policy": self.policy.name,
             "capacity_bytes": self.capacity,
             "pinned": len(self.pinned),

@@ -99,15 +99,19 @@ class Workspace:
 
 
 def workspace(model: LoadedModel, batch: int, positions: int, window: int, largest_expert: int,
-              reference: bool, staged: int = 0) -> Workspace:
+              reference: bool, staged: int = 0, cache_type: str = "f32") -> Workspace:
     c = model.config
+    heads, kd, vd = c.kv_shape
+    # a cache in f16/q8_0 read on the NumPy path (and MLA's): one layer's keys and values decoded
+    decoded = 2 * heads * positions * max(kd, vd) * 4 if cache_type != "f32" and (reference or c.attention == "mla") \
+        else 0
     T, H, V = batch, c.hidden_size, c.vocab_size
     width = max(H, c.num_heads * c.head_dim, c.kv_floats_per_position // max(c.num_layers, 1))
     windows = 2 if c.sliding_window else 1
     I = c.expert_intermediate_size
     return Workspace(
         activations=16 * T * width * 4,
-        attention=3 * c.num_heads * T * positions * 4 + windows * T * positions,
+        attention=3 * c.num_heads * T * positions * 4 + windows * T * positions + decoded,
         logits=2 * T * V * 4 + 2 * V * 8,
         experts=T * c.top_k * (2 * I + H) * 4 * 2 + 2 * T * c.top_k * H * 4,  # + per-choice inputs and outputs
         streaming=(2 * window + staged) * largest_expert,
@@ -157,13 +161,15 @@ class MemoryPlan:
 def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_budget: Budget | None = None,
                 batch: int | None = None, window: int = 4, reference_kernels: bool = False,
                 expert_bytes=None, baseline: int | None = None, direct: bool = True, staged_prefetches: int = 0,
-                draft_head: int = 0) -> MemoryPlan:
+                draft_head: int = 0, cache_type: str = "f32") -> MemoryPlan:
     """The plan for ``budget`` (and ``expert_budget``). ``expert_bytes(refs)`` is one expert's
     resident cost where it differs from the host's (device backends hold float32); ``batch`` is
     the most tokens one pass runs (prompt chunks, verification batches); ``draft_head`` the bytes of
     a FR-Spec draft head's copied rows, held beside the dense part; ``staged_prefetches`` the
-    prefetches a device backend holds in host buffers until verification uploads them."""
+    prefetches a device backend holds in host buffers until verification uploads them;
+    ``cache_type`` the KV cache's (f32, f16, q8_0: model/kv_cache.py)."""
     from ..model.forward import PREFILL_CHUNK
+    from ..model.kv_cache import kv_bytes_per_position
 
     c = model.config
     cost = expert_bytes or (lambda refs: refs.resident_bytes_for(direct))
@@ -171,9 +177,9 @@ def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_bu
     total_experts, largest = sum(sizes), max(sizes)
     stored = model.expert_stored_bytes
     dense = model.dense_bytes + draft_head
-    kv = c.kv_floats_per_position * kv_positions * 4
+    kv = kv_bytes_per_position(c, cache_type) * kv_positions
     work = workspace(model, max(batch or PREFILL_CHUNK, 1), kv_positions, window, largest, reference_kernels,
-                     staged_prefetches)
+                     staged_prefetches, cache_type)
     rest = dense + kv + work.total
     baseline = interpreter_baseline() if baseline is None else baseline
 
