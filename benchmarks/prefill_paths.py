@@ -1,11 +1,12 @@
-"""What each step of the prefill work gave: one 512-token prompt through the model, three paths
+"""What each step of the prefill work gave: one 512-token prompt through the model, the paths
 taking turns in one process (this machine drifts by tens of percent within minutes).
 
     python benchmarks/prefill_paths.py --model ~/.cache/s2moe-peer/olmoe-1b-7b-q4_k_m.gguf
 
 Paths: the K-quant rows on AVX2 alone in 64-token passes (as before the tiles), AVX-512 tiles of
-rows x tokens in 64-token passes, and the tiles in one 512-token pass (what `run` takes when every
-expert is resident). Every expert is resident; random prompt tokens. Results: a table, and JSON /
+rows x tokens in 64-token passes, the tiles in one 512-token pass (what `run` takes when every
+expert is resident), each quantising an expert's inputs in every pool chunk, and the last with
+them quantised once per phase (the default since it came). Every expert is resident; random prompt tokens. Results: a table, and JSON /
 CSV in docs/results/prefill-paths.*; docs/performance/peer.md ("Prefill") cites them.
 """
 
@@ -21,8 +22,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
 
-PATHS = {"avx2 rows, 64-token passes": (0, 64), "avx512 tiles, 64-token passes": (1, 64),
-         "avx512 tiles, 512-token pass": (1, 512)}
+# (AVX-512 tiles, prompt chunk, experts' inputs quantised once per phase)
+PATHS = {"avx2 rows, 64-token passes": (0, 64, 0), "avx512 tiles, 64-token passes": (1, 64, 0),
+         "avx512 tiles, 512-token pass": (1, 512, 0), "tiles, 512-token pass, inputs quantised once": (1, 512, 1)}
 
 
 def main() -> None:
@@ -31,8 +33,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--paths", default=";".join(PATHS), help="a ';'-separated subset of: " + "; ".join(PATHS))
     ap.add_argument("--out", default="docs/results/prefill-paths")
     a = ap.parse_args()
+    paths = {name.strip(): PATHS[name.strip()] for name in a.paths.split(";")}
     from s2moe import _cpu
     from s2moe.runtime.engine import build_engine
 
@@ -41,21 +45,23 @@ def main() -> None:
     model = engine.model
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, a.tokens)
     model.forward(tokens[:8], model.new_cache(a.tokens + 8), logits="last", record=False)  # warm
-    samples = {name: [] for name in PATHS}
+    samples = {name: [] for name in paths}
     try:
         for _ in range(a.reps):
-            for name, (tiles, chunk) in PATHS.items():
+            for name, (tiles, chunk, once) in paths.items():
                 _cpu.use_avx512(tiles)
+                _cpu.act_once(once)
                 model.prefill_chunk = chunk
                 start = time.perf_counter()
                 model.forward(tokens, model.new_cache(a.tokens + 8), logits="last", record=False)
                 samples[name].append(a.tokens / (time.perf_counter() - start))
     finally:
         _cpu.use_avx512(1)
+        _cpu.act_once(1)
         engine.close()
     records = [Record("prefill-paths", name, "tok/s", samples[name],
                       params={"model": os.path.basename(a.model), "tokens": a.tokens, "threads": a.threads})
-               for name in PATHS]
+               for name in paths]
     write_outputs(records, machine_info(), a.out, "prefill by path, one process, alternating")
 
 

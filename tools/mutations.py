@@ -497,6 +497,13 @@ CORE: list[Mutation] = [
              "filling = []", ["tests/test_fill.py"], "a pass reads an expert again while the fill's read of it is in flight"),
     Mutation("fill-keeps-nothing", "runtime/offload/fill.py", "                cache._keep(key, cache.place(weights))",
              "                pass", ["tests/test_fill.py"], "the fill reads experts and drops them"),
+    Mutation("moe-batch-drops-a-token", "csrc/cpu/ops.c",
+             "kq_batch_make(&m->gq[e], x->dtype, (const float *const *)m->g_rows[e], x->n, m->I);",
+             "kq_batch_make(&m->gq[e], x->dtype, (const float *const *)m->g_rows[e], x->n - 1, m->I);",
+             ["tests/test_prefill_kernels.py"], "an expert's shared down activations miss its last token"),
+    Mutation("matmul-batch-drops-a-token", "csrc/cpu/ops.c", "kq_batch_make(&xq, type, xs, T, K) == 0",
+             "kq_batch_make(&xq, type, xs, T - 1, K) == 0", ["tests/test_prefill_kernels.py"],
+             "a batch product's shared activations miss its last token"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND + PREFETCH

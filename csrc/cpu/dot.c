@@ -44,6 +44,8 @@ static void rows_dot_portable(int type, const uint8_t *W, size_t rb, long K, lon
 static int act_q8 = 1; /* int8 activations against Q8_0 / Q4_0 rows (here) and kquant.c's types */
 #define ACT_Q8(type) (act_q8 && ((type) == T_Q8_0 || (type) == T_Q4_0))
 
+int dot_kq_path(int type) { return act_q8 && kq_type(type); }
+
 int dot_act_q8(int on) {
     if (on >= 0) act_q8 = on != 0;
     return act_q8;

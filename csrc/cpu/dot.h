@@ -22,6 +22,8 @@ int dot_vnni(void);
 int dot_simd(void);
 /* Q8_0 / Q4_0 rows against int8-quantised activations (1, the default) or float ones (0); -1 asks. */
 int dot_act_q8(int on);
+/* Whether rows_dot takes kquant.c's int8 kernel for `type` (so a kq_batch may stand for its xs). */
+int dot_kq_path(int type);
 /* One token against plain rows four at a time (1, the default) or one at a time (0): the same bits,
  * a switch for benchmarks and tests; -1 asks. */
 int dot_rows4(int on);

@@ -240,40 +240,64 @@ static void kq_rows_portable(int type, const uint8_t *W, size_t rb, long K, long
     }
 }
 
-void rows_dot_kq(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const float *const *xs,
-                 float *const *ys, int nb) {
+int kq_batch_make(kq_batch *b, int type, const float *const *xs, int nb, long K) {
     const long U = (K / 32 + 7) / 8;
     const int B = kq_act_block(type);
-    int8_t *q = malloc((size_t)nb * (size_t)K + 32);
-    float *d = malloc(sizeof(float) * (size_t)(nb * (K / B) + 1));
-    int16_t *bs = malloc(sizeof(int16_t) * (size_t)(nb * 16 * U + 1));
-    const int8_t *qs[nb > 0 ? nb : 1];
-    const float *dp[nb > 0 ? nb : 1];
-    const int16_t *bsp[nb > 0 ? nb : 1];
-    if (!q || !d || !bs) goto done; /* callers check inputs; an allocation failure leaves y unchanged */
+    memset(b, 0, sizeof(*b));
+    b->B = B, b->K = K, b->nb = nb;
+    size_t n = nb > 0 ? (size_t)nb : 1;
+    b->q = malloc(n * (size_t)K + 32);
+    b->d = malloc(sizeof(float) * (n * (size_t)(K / B) + 1));
+    b->bs = malloc(sizeof(int16_t) * (n * (size_t)(16 * U) + 1));
+    b->qs = malloc(sizeof(*b->qs) * n);
+    b->ds = malloc(sizeof(*b->ds) * n);
+    b->bsp = malloc(sizeof(*b->bsp) * n);
+    if (!b->q || !b->d || !b->bs || !b->qs || !b->ds || !b->bsp) {
+        kq_batch_free(b);
+        return -2;
+    }
     for (int t = 0; t < nb; t++) {
-        int8_t *qt = q + (size_t)t * (size_t)K;
-        int16_t *bt = bs + (size_t)t * (size_t)(16 * U);
-        act_quantize_blocks(xs[t], K, B, qt, d + (size_t)t * (size_t)(K / B));
+        int8_t *qt = b->q + (size_t)t * (size_t)K;
+        int16_t *bt = b->bs + (size_t)t * (size_t)(16 * U);
+        act_quantize_blocks(xs[t], K, B, qt, b->d + (size_t)t * (size_t)(K / B));
         for (long j = 0; j < 16 * U; j++) { /* Σ q over each run of 16 (0 past the row) */
             int sum = 0;
             for (int i = 0; j < K / 16 && i < 16; i++) sum += qt[16 * j + i];
             bt[j] = (int16_t)sum;
         }
-        qs[t] = qt;
-        dp[t] = d + (size_t)t * (size_t)(K / B);
-        bsp[t] = bt;
+        b->qs[t] = qt;
+        b->ds[t] = b->d + (size_t)t * (size_t)(K / B);
+        b->bsp[t] = bt;
     }
-    kq_acts acts = {qs, dp, bsp};
+    return 0;
+}
+
+void kq_batch_free(kq_batch *b) {
+    free(b->q);
+    free(b->d);
+    free(b->bs);
+    free((void *)b->qs);
+    free((void *)b->ds);
+    free((void *)b->bsp);
+    memset(b, 0, sizeof(*b));
+}
+
+void rows_dot_kq_batch(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_batch *b,
+                       float *const *ys) {
+    kq_acts acts = {b->qs, b->ds, b->bsp};
 #ifdef HAVE_AVX2_PATH
     if (dot_simd()) {
-        kq_rows_avx2(type, W, rb, K, r0, r1, &acts, ys, nb);
-        goto done;
+        kq_rows_avx2(type, W, rb, K, r0, r1, &acts, ys, b->nb);
+        return;
     }
 #endif
-    kq_rows_portable(type, W, rb, K, r0, r1, &acts, ys, nb);
-done:
-    free(q);
-    free(d);
-    free(bs);
+    kq_rows_portable(type, W, rb, K, r0, r1, &acts, ys, b->nb);
+}
+
+void rows_dot_kq(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const float *const *xs,
+                 float *const *ys, int nb) {
+    kq_batch b;
+    if (kq_batch_make(&b, type, xs, nb, K)) return; /* callers check inputs; an allocation failure leaves y unchanged */
+    rows_dot_kq_batch(type, W, rb, K, r0, r1, &b, ys);
+    kq_batch_free(&b);
 }

@@ -14,6 +14,24 @@ void rows_dot_kq(int type, const uint8_t *W, size_t rb, long K, long r0, long r1
  * q = x · (1/d) rounded half to even, all in float32 (stored.py `quantize_activations`). */
 void act_quantize(const float *x, long K, int8_t *q, float *d);
 
+/* A batch's activations quantised once, for every row range that reads them (op_moe quantises an
+ * expert's tokens once per phase instead of once per pool chunk). Made for `type`'s activation
+ * block; any type of the same block reads it. kq_batch_make: 0, or -2 (out of memory). */
+typedef struct {
+    int B, nb;
+    long K;
+    int8_t *q;
+    float *d;
+    int16_t *bs;
+    const int8_t **qs;
+    const float **ds;
+    const int16_t **bsp;
+} kq_batch;
+int kq_batch_make(kq_batch *b, int type, const float *const *xs, int nb, long K);
+void kq_batch_free(kq_batch *b);
+void rows_dot_kq_batch(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_batch *b,
+                       float *const *ys);
+
 /* -- between kquant.c and kquant_avx2.c -- */
 
 /* The same, in blocks of B values (32 or 256). */

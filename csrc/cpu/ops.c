@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "dot.h"
+#include "kquant.h"
 #include "pool.h"
 #include "quant.h"
 
@@ -22,14 +23,25 @@ typedef struct {
     const float *const *xs;
     float *const *ys;
     const float *bias;
+    const kq_batch *xq; /* the xs quantised once for every chunk, or NULL */
 } matmul_job;
+
+static int act_once = 1; /* see ops.h op_act_once */
+
+int op_act_once(int on) {
+    if (on >= 0) act_once = on != 0;
+    return act_once;
+}
 
 static void matmul_part(void *p, int ith, int nth) {
     const matmul_job *j = p;
     long r0, r1;
     pool_span(j->N, ith, nth, &r0, &r1);
     if (r0 >= r1) return;
-    rows_dot(j->type, j->W, j->rb, j->K, r0, r1, j->xs, j->ys, j->T);
+    if (j->xq)
+        rows_dot_kq_batch(j->type, j->W, j->rb, j->K, r0, r1, j->xq, j->ys);
+    else
+        rows_dot(j->type, j->W, j->rb, j->K, r0, r1, j->xs, j->ys, j->T);
     if (j->bias)
         for (int t = 0; t < j->T; t++)
             for (long r = r0; r < r1; r++) j->ys[t][r] += j->bias[r];
@@ -49,11 +61,18 @@ int op_matmul(int type, const uint8_t *W, long N, long K, const float *x, int T,
         xs[t] = x + (size_t)t * (size_t)K;
         ys[t] = y + (size_t)t * (size_t)N;
     }
-    matmul_job j = {type, W, rb, N, K, T, xs, ys, bias};
-    if (N * K * (long)T < POOL_MIN_WORK || pool_threads() <= 1)
+    matmul_job j = {type, W, rb, N, K, T, xs, ys, bias, NULL};
+    if (N * K * (long)T < POOL_MIN_WORK || pool_threads() <= 1) {
         matmul_part(&j, 0, 1);
-    else
+    } else {
+        /* a prompt's tokens quantised once, not in each of the pool's chunks (T > 1: one token's
+         * quantisation is cheaper than the chunks' wait for it) */
+        kq_batch xq;
+        int shared = act_once && T > 1 && dot_kq_path(type) && kq_batch_make(&xq, type, xs, T, K) == 0;
+        j.xq = shared ? &xq : NULL;
         pool_run(matmul_part, &j, pool_chunks());
+        if (shared) kq_batch_free(&xq);
+    }
     free(xs);
     free(ys);
     return 0;
@@ -88,7 +107,31 @@ typedef struct {
     float ***g_rows;        /* [e][j] -> gate / act  */
     float ***u_rows;        /* [e][j] -> up          */
     float ***d_rows;        /* [e][j] -> down output */
+    kq_batch *xq, *gq;      /* [e]: x and the activations quantised once (nb 0: not made) */
 } moe_job;
+
+/* Quantise each expert's inputs once per phase (gate/up: x; down: the activations) where its rows
+ * take kquant.c's int8 kernel. Quantised per pool chunk instead, a 512-token prompt at
+ * OLMoE-1B-7B's shape quantised each expert's activations in every one of the 8 down chunks. */
+static void moe_quantise_part(void *p, int ith, int nth, int down) {
+    const moe_job *m = p;
+    long e0, e1;
+    pool_span(m->n_ex, ith, nth, &e0, &e1);
+    for (long e = e0; e < e1; e++) {
+        const moe_expert *x = &m->ex[e];
+        if (down ? !dot_kq_path(x->dtype)
+                 : !(dot_kq_path(x->gtype) && dot_kq_path(x->utype) &&
+                     kq_act_block(x->gtype) == kq_act_block(x->utype)))
+            continue;
+        if (down)
+            kq_batch_make(&m->gq[e], x->dtype, (const float *const *)m->g_rows[e], x->n, m->I);
+        else
+            kq_batch_make(&m->xq[e], x->gtype, m->x_rows[e], x->n, m->H);
+    }
+}
+
+static void moe_quantise_x(void *p, int ith, int nth) { moe_quantise_part(p, ith, nth, 0); }
+static void moe_quantise_g(void *p, int ith, int nth) { moe_quantise_part(p, ith, nth, 1); }
 
 static inline float activate(const moe_job *m, float g, float u) {
     if (m->act == MOE_ACT_SWIGLU_CLAMPED) {
@@ -111,8 +154,13 @@ static void moe_gate_up_part(void *p, int ith, int nth) {
         if (a1 <= lo || a0 >= hi) continue;
         const moe_expert *x = &m->ex[e];
         long r0 = (a0 > lo ? a0 : lo) - lo, r1 = (a1 < hi ? a1 : hi) - lo;
-        rows_dot(x->gtype, x->gate, row_bytes(x->gtype, H), H, r0, r1, m->x_rows[e], m->g_rows[e], x->n);
-        rows_dot(x->utype, x->up, row_bytes(x->utype, H), H, r0, r1, m->x_rows[e], m->u_rows[e], x->n);
+        if (m->xq[e].nb) {
+            rows_dot_kq_batch(x->gtype, x->gate, row_bytes(x->gtype, H), H, r0, r1, &m->xq[e], m->g_rows[e]);
+            rows_dot_kq_batch(x->utype, x->up, row_bytes(x->utype, H), H, r0, r1, &m->xq[e], m->u_rows[e]);
+        } else {
+            rows_dot(x->gtype, x->gate, row_bytes(x->gtype, H), H, r0, r1, m->x_rows[e], m->g_rows[e], x->n);
+            rows_dot(x->utype, x->up, row_bytes(x->utype, H), H, r0, r1, m->x_rows[e], m->u_rows[e], x->n);
+        }
         for (int j = 0; j < x->n; j++) {
             float *g = m->g_rows[e][j], *u = m->u_rows[e][j];
             for (long r = r0; r < r1; r++)
@@ -132,8 +180,11 @@ static void moe_down_part(void *p, int ith, int nth) {
     if (r0 >= r1) return;
     for (int e = 0; e < m->n_ex; e++) {
         const moe_expert *x = &m->ex[e];
-        rows_dot(x->dtype, x->down, row_bytes(x->dtype, I), I, r0, r1, (const float *const *)m->g_rows[e],
-                 m->d_rows[e], x->n);
+        if (m->gq[e].nb)
+            rows_dot_kq_batch(x->dtype, x->down, row_bytes(x->dtype, I), I, r0, r1, &m->gq[e], m->d_rows[e]);
+        else
+            rows_dot(x->dtype, x->down, row_bytes(x->dtype, I), I, r0, r1, (const float *const *)m->g_rows[e],
+                     m->d_rows[e], x->n);
         for (int j = 0; j < x->n; j++) {
             float *o = m->out + (size_t)x->tok[j] * (size_t)H, *d = m->d_rows[e][j], w = x->weight[j];
             for (long r = r0; r < r1; r++) o[r] += w * (d[r] + (x->down_bias ? x->down_bias[r] : 0.0f));
@@ -151,12 +202,14 @@ int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float
     /* scratch: gate/act [pairs, I], up [pairs, I], down out [pairs, H], and the row pointers */
     float *scratch = malloc(sizeof(float) * (size_t)pairs * (size_t)(2 * I + H) + 1);
     void **ptrs = malloc(sizeof(void *) * ((size_t)pairs * 4 + (size_t)n_ex * 4) + 1);
-    if (!scratch || !ptrs) {
+    kq_batch *batches = calloc(2 * (size_t)n_ex + 1, sizeof(kq_batch)); /* zeroed: nb 0, none made */
+    if (!scratch || !ptrs || !batches) {
         free(scratch);
         free(ptrs);
+        free(batches);
         return -2;
     }
-    moe_job m = {ex, n_ex, I, H, x, out, act, alpha, limit, NULL, NULL, NULL, NULL};
+    moe_job m = {ex, n_ex, I, H, x, out, act, alpha, limit, NULL, NULL, NULL, NULL, batches, batches + n_ex};
     void **heads = ptrs, **rows = ptrs + (size_t)n_ex * 4;
     m.x_rows = (const float ***)heads;
     m.g_rows = (float ***)(heads + n_ex);
@@ -181,13 +234,19 @@ int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float
         rows += 4 * (size_t)n;
     }
     long work = 3 * pairs * I * H;
+    /* one chunk reads an expert's inputs: nothing to share (a decode token's few experts) */
+    const int share = act_once && pool_threads() > 1 && work >= POOL_MIN_WORK;
     if (work < POOL_MIN_WORK || pool_threads() <= 1) {
         moe_gate_up_part(&m, 0, 1);
         moe_down_part(&m, 0, 1);
     } else {
+        if (share) pool_run(moe_quantise_x, &m, pool_chunks());
         pool_run(moe_gate_up_part, &m, pool_chunks());
+        if (share) pool_run(moe_quantise_g, &m, pool_chunks());
         pool_run(moe_down_part, &m, pool_chunks());
     }
+    for (int e = 0; e < 2 * n_ex; e++) kq_batch_free(&batches[e]);
+    free(batches);
     free(scratch);
     free(ptrs);
     return 0;

@@ -22,6 +22,9 @@ int op_matmul(int type, const uint8_t *W, long N, long K, const float *x, int T,
 int op_dequant_rows(int type, const uint8_t *W, long N, long K, const int64_t *ids, long n, float *out);
 /* out[tok] += weight * down(act(gate x + gb, up x + ub)) + db, for every expert; threads split the
  * gate/up rows of all experts, then the output rows (each thread owns a slice of out). */
+/* Whether op_matmul and op_moe quantise int8 activations once per call / phase (1, the default),
+ * shared by every pool chunk, or in each chunk (0: as before; a switch for tests and benchmarks). */
+int op_act_once(int on);
 int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float *out, int act, float alpha,
            float limit);
 
