@@ -70,3 +70,59 @@ def test_a_batch_product_quantises_its_tokens_once_with_the_same_bits(dtype, rng
     assert np.array_equal(outs[1], outs[0])
     want = ReferenceOps().linear(x, W)
     assert np.abs(outs[1] - want).max() <= 2e-2 * np.abs(want).max()
+
+
+def _skewed(rng, dtype="Q4_K", n=6, T=80, H=512, I=256):
+    from test_kernels import random_matrix
+
+    experts = [ExpertWeights(random_matrix(rng, dtype, I, H), random_matrix(rng, dtype, I, H),
+                             random_matrix(rng, "Q6_K", H, I)) for _ in range(n)]
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    sizes = [T - 3, 9, 1, min(40, T), 2, 5][:n]  # one expert takes nearly every token, as a late layer of a random model
+    groups = [(w, np.sort(rng.choice(T, s, replace=False)).astype(np.int32), rng.random(s).astype(np.float32))
+              for w, s in zip(experts, sizes)]
+    return x, groups
+
+
+def test_chunks_split_by_work_give_the_bits_of_chunks_split_by_rows(rng):
+    from s2moe import _cpu
+
+    x, groups = _skewed(rng)
+    ops, act = cpu.CpuOps(threads=2), ExpertAct()
+    outs = {}
+    try:
+        for on in (1, 0):
+            _cpu.moe_balance(on)
+            outs[on] = ops.experts(x, groups, act, np.zeros_like(x))
+    finally:
+        _cpu.moe_balance(1)
+    assert np.array_equal(outs[1], outs[0])
+    want = ReferenceOps().experts(x, groups, act, np.zeros_like(x))
+    assert np.abs(outs[1] - want).max() <= 2e-2 * np.abs(want).max()
+
+
+def test_threads_keep_their_own_scratch(rng):
+    """Kernels reuse a per-thread scratch between calls: callers on several threads at once, each
+    with its own sizes, get what one caller alone gets."""
+    import threading
+
+    ops, act = cpu.CpuOps(threads=2), ExpertAct()
+    cases = [_skewed(np.random.default_rng(s), T=T) for s, T in ((1, 80), (2, 80), (3, 120), (4, 120))]
+    alone = [ops.experts(x, g, act, np.zeros_like(x)) for x, g in cases]
+    got, errors = [None] * len(cases), []
+
+    def work(i):
+        try:
+            for _ in range(40):
+                x, g = cases[i]
+                got[i] = ops.experts(x, g, act, np.zeros_like(x))
+                assert np.array_equal(got[i], alone[i])
+        except Exception as exc:  # (reported below: an assertion in a thread would be lost)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

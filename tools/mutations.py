@@ -504,6 +504,12 @@ CORE: list[Mutation] = [
     Mutation("matmul-batch-drops-a-token", "csrc/cpu/ops.c", "kq_batch_make(&xq, type, xs, T, K) == 0",
              "kq_batch_make(&xq, type, xs, T - 1, K) == 0", ["tests/test_prefill_kernels.py"],
              "a batch product's shared activations miss its last token"),
+    Mutation("moe-balanced-chunks-drop-a-row", "csrc/cpu/ops.c", "r1 = ceil_rows(c1 - m->cost[e], w);",
+             "r1 = ceil_rows(c1 - m->cost[e], w) - (ith == 0);", ["tests/test_prefill_kernels.py"],
+             "chunks split by work leave a gate/up row uncomputed"),
+    Mutation("arena-shared-by-threads", "csrc/cpu/pool.c", "arena *a = pthread_getspecific(arena_key);",
+             "static arena one;\n    arena *a = &one;", ["tests/test_prefill_kernels.py", "-k", "threads"],
+             "the kernels' kept scratch is one for every thread"),
 ]
 
 MUTATIONS: list[Mutation] = CORE + FOUND + PREFETCH

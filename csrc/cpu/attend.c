@@ -250,8 +250,9 @@ int op_attend(const attn_args *a) {
     const long D = a->D, T = a->T;
     /* rotate q (a copy) and k, write k and v into the cache in its type */
     const size_t rb = (size_t)kv_row_bytes(a->kv_type, D);
-    float *qr = malloc(sizeof(float) * ((size_t)T * a->nh * D + (size_t)D) + 1), *kr = qr + (size_t)T * a->nh * D;
+    float *qr = arena_get(ARENA_ATTEND, sizeof(float) * ((size_t)T * a->nh * D + (size_t)D) + 1);
     if (!qr) return -2;
+    float *kr = qr + (size_t)T * a->nh * D;
     for (long t = 0; t < T; t++) {
         const float *cos = a->cos + (size_t)t * (D / 2), *sin = a->sin + (size_t)t * (D / 2);
         for (long h = 0; h < a->nh; h++) {
@@ -273,7 +274,6 @@ int op_attend(const attn_args *a) {
         attn_part(&j, 0, 1);
     else
         pool_run(attn_part, &j, pool_chunks());
-    free(qr);
     return 0;
 }
 
@@ -282,7 +282,7 @@ int op_attend(const attn_args *a) {
 
 int op_attn_block(const attn_block_args *b) {
     const long T = b->T, H = b->H, D = b->D, nq = b->nh * D, nk = b->nkv * D, N = nq + 2 * nk;
-    float *x = malloc(sizeof(float) * (size_t)T * (size_t)(H + N + nq + 2 * nk + nq) + 1);
+    float *x = arena_get(ARENA_BLOCK, sizeof(float) * (size_t)T * (size_t)(H + N + nq + 2 * nk + nq) + 1);
     if (!x) return -2;
     float *qkv = x + (size_t)T * H, *q = qkv + (size_t)T * N, *k = q + (size_t)T * nq, *v = k + (size_t)T * nk,
           *att = v + (size_t)T * nk;
@@ -313,6 +313,5 @@ int op_attn_block(const attn_block_args *b) {
     if (rc) goto done;
     for (long i = 0; i < T * H; i++) b->out[i] += b->h[i];
 done:
-    free(x);
     return rc;
 }

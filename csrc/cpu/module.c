@@ -408,6 +408,12 @@ static PyObject *py_act_once(PyObject *self, PyObject *args) {
     return PyBool_FromLong(op_act_once(on < 0 ? -1 : on != 0));
 }
 
+static PyObject *py_moe_balance(PyObject *self, PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|i", &on)) return NULL;
+    return PyBool_FromLong(op_moe_balance(on < 0 ? -1 : on != 0));
+}
+
 static PyObject *py_path(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(dot_path()); }
 
 static PyObject *py_row_bytes(PyObject *self, PyObject *args) {
@@ -436,6 +442,7 @@ static PyMethodDef methods[] = {
     {"rows4", py_rows4, METH_VARARGS, "rows4([on]) -> whether one token takes plain rows four at a time (the default; the same bits)"},
     {"act_q8", py_act_q8, METH_VARARGS, "act_q8([on]) -> whether Q8_0 / Q4_0 rows meet int8 activations (the default)"},
     {"act_once", py_act_once, METH_VARARGS, "act_once([on]) -> whether matmul and moe quantise int8 activations once per call (the default) or per pool chunk"},
+    {"moe_balance", py_moe_balance, METH_VARARGS, "moe_balance([on]) -> whether moe splits gate/up rows by their tokens (the default) or evenly"},
     {"path", py_path, METH_NOARGS, "the code path in use: portable, or avx2+fma+f16c with +avx512 (plain rows) and a VNNI form"},
     {"row_bytes", py_row_bytes, METH_VARARGS, "row_bytes(type, K): bytes of one stored row (0: not whole blocks)"},
     {NULL, NULL, 0, NULL},

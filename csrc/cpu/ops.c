@@ -108,7 +108,21 @@ typedef struct {
     float ***u_rows;        /* [e][j] -> up          */
     float ***d_rows;        /* [e][j] -> down output */
     kq_batch *xq, *gq;      /* [e]: x and the activations quantised once (nb 0: not made) */
+    long *cost;             /* [e + 1]: gate/up work before expert e, in (row, token) units */
 } moe_job;
+
+/* A gate/up row's work: its tokens, and a few more for reading and unpacking it. Chunks of equal
+ * rows took uneven work: a random-weight OLMoE-1B-7B's late layers send 180-500 of a 512-token
+ * prompt's tokens to one expert and none to many, so one chunk held most of a layer. */
+static int moe_balance = 1; /* 0: every row one unit, chunks of equal rows (as before; benchmarks) */
+#define MOE_ROW_COST(n) (moe_balance ? (long)(n) + 4 : 1L)
+
+int op_moe_balance(int on) {
+    if (on >= 0) moe_balance = on != 0;
+    return moe_balance;
+}
+
+static inline long ceil_rows(long c, long w) { return c <= 0 ? 0 : (c + w - 1) / w; }
 
 /* Quantise each expert's inputs once per phase (gate/up: x; down: the activations) where its rows
  * take kquant.c's int8 kernel. Quantised per pool chunk instead, a 512-token prompt at
@@ -147,13 +161,15 @@ static inline float activate(const moe_job *m, float g, float u) {
 static void moe_gate_up_part(void *p, int ith, int nth) {
     const moe_job *m = p;
     const long I = m->I, H = m->H;
-    long a0, a1;
-    pool_span((long)m->n_ex * I, ith, nth, &a0, &a1);
-    for (int e = 0; e < m->n_ex && a0 < a1; e++) {
-        long lo = (long)e * I, hi = lo + I;
-        if (a1 <= lo || a0 >= hi) continue;
+    long c0, c1; /* this chunk's share of the work; a row goes where its work starts */
+    pool_span(m->cost[m->n_ex], ith, nth, &c0, &c1);
+    for (int e = 0; e < m->n_ex; e++) {
         const moe_expert *x = &m->ex[e];
-        long r0 = (a0 > lo ? a0 : lo) - lo, r1 = (a1 < hi ? a1 : hi) - lo;
+        const long w = (m->cost[e + 1] - m->cost[e]) / I; /* (the flag read once, in op_moe) */
+        long r0 = ceil_rows(c0 - m->cost[e], w), r1 = ceil_rows(c1 - m->cost[e], w);
+        r0 = r0 < I ? r0 : I;
+        r1 = r1 < I ? r1 : I;
+        if (r0 >= r1) continue;
         if (m->xq[e].nb) {
             rows_dot_kq_batch(x->gtype, x->gate, row_bytes(x->gtype, H), H, r0, r1, &m->xq[e], m->g_rows[e]);
             rows_dot_kq_batch(x->utype, x->up, row_bytes(x->utype, H), H, r0, r1, &m->xq[e], m->u_rows[e]);
@@ -200,16 +216,19 @@ int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float
         pairs += ex[e].n;
     }
     /* scratch: gate/act [pairs, I], up [pairs, I], down out [pairs, H], and the row pointers */
-    float *scratch = malloc(sizeof(float) * (size_t)pairs * (size_t)(2 * I + H) + 1);
+    float *scratch = arena_get(ARENA_MOE, sizeof(float) * (size_t)pairs * (size_t)(2 * I + H) + 1);
     void **ptrs = malloc(sizeof(void *) * ((size_t)pairs * 4 + (size_t)n_ex * 4) + 1);
     kq_batch *batches = calloc(2 * (size_t)n_ex + 1, sizeof(kq_batch)); /* zeroed: nb 0, none made */
-    if (!scratch || !ptrs || !batches) {
-        free(scratch);
+    long *cost = malloc(sizeof(long) * ((size_t)n_ex + 1));
+    if (!scratch || !ptrs || !batches || !cost) {
         free(ptrs);
         free(batches);
+        free(cost);
         return -2;
     }
-    moe_job m = {ex, n_ex, I, H, x, out, act, alpha, limit, NULL, NULL, NULL, NULL, batches, batches + n_ex};
+    cost[0] = 0;
+    for (int e = 0; e < n_ex; e++) cost[e + 1] = cost[e] + MOE_ROW_COST(ex[e].n) * I;
+    moe_job m = {ex, n_ex, I, H, x, out, act, alpha, limit, NULL, NULL, NULL, NULL, batches, batches + n_ex, cost};
     void **heads = ptrs, **rows = ptrs + (size_t)n_ex * 4;
     m.x_rows = (const float ***)heads;
     m.g_rows = (float ***)(heads + n_ex);
@@ -247,7 +266,7 @@ int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float
     }
     for (int e = 0; e < 2 * n_ex; e++) kq_batch_free(&batches[e]);
     free(batches);
-    free(scratch);
+    free(cost);
     free(ptrs);
     return 0;
 }

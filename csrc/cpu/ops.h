@@ -25,6 +25,8 @@ int op_dequant_rows(int type, const uint8_t *W, long N, long K, const int64_t *i
 /* Whether op_matmul and op_moe quantise int8 activations once per call / phase (1, the default),
  * shared by every pool chunk, or in each chunk (0: as before; a switch for tests and benchmarks). */
 int op_act_once(int on);
+/* Whether op_moe splits its gate/up rows into chunks of equal work (1, the default) or rows (0). */
+int op_moe_balance(int on);
 int op_moe(const moe_expert *ex, int n_ex, long I, long H, const float *x, float *out, int act, float alpha,
            float limit);
 

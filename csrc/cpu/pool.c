@@ -184,3 +184,37 @@ void pool_run(pool_fn fn, void *ctx, int n) {
     }
     pthread_mutex_unlock(&run_mu);
 }
+
+typedef struct {
+    void *buf[ARENA_SLOTS];
+    size_t len[ARENA_SLOTS];
+} arena;
+
+static pthread_key_t arena_key;
+static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
+
+static void arena_free(void *p) { /* a thread's scratch goes with the thread */
+    arena *a = p;
+    for (int i = 0; i < ARENA_SLOTS; i++) free(a->buf[i]);
+    free(a);
+}
+
+static void arena_init(void) { pthread_key_create(&arena_key, arena_free); }
+
+void *arena_get(int slot, size_t bytes) {
+    pthread_once(&arena_once, arena_init);
+    arena *a = pthread_getspecific(arena_key);
+    if (!a) {
+        a = calloc(1, sizeof(arena));
+        if (!a || pthread_setspecific(arena_key, a)) {
+            free(a);
+            return NULL;
+        }
+    }
+    if (bytes > a->len[slot]) {
+        free(a->buf[slot]);
+        a->buf[slot] = malloc(bytes);
+        a->len[slot] = a->buf[slot] ? bytes : 0;
+    }
+    return a->buf[slot];
+}

@@ -10,6 +10,8 @@
 #ifndef S2MOE_POOL_H
 #define S2MOE_POOL_H
 
+#include <stddef.h>
+
 /* Process chunk i of n (callers split their rows with the same span() as a static split would). */
 typedef void (*pool_fn)(void *ctx, int i, int n);
 
@@ -37,6 +39,15 @@ static inline void pool_span(long n, int ith, int nth, long *a, long *b) {
     *a = n * ith / nth;
     *b = n * (ith + 1) / nth;
 }
+
+/* Scratch of the calling thread kept between calls, at least `bytes` (NULL: out of memory). A
+ * prompt's layer calls asked malloc for tens of MB each; with glibc's mmap threshold fixed at
+ * 128 KiB (offload/memory.py) every one was a fresh mapping whose pages faulted in again, 1.4-3.4 s
+ * of system time in an 8 s pass at OLMoE-1B-7B's shape. It never shrinks: a thread keeps its
+ * largest pass's scratch, which the memory plan's workspace counts. One slot per caller that may
+ * nest in another: ARENA_MOE (op_moe), ARENA_BLOCK (op_attn_block), ARENA_ATTEND (op_attend). */
+enum { ARENA_MOE, ARENA_BLOCK, ARENA_ATTEND, ARENA_SLOTS };
+void *arena_get(int slot, size_t bytes);
 
 /* Tests: while on, workers wait before joining a job, as if the OS had not woken them yet. */
 void pool_hold_workers(int on);
