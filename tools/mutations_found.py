@@ -570,6 +570,6 @@ FOUND += [
              ["tests/test_live_costs.py"], "the live fit solved without the constraint, then clipped at 0"),
     # the kernels' thread pool (csrc/cpu/pool.c; mutate.py rebuilds the copy's extension for these)
     Mutation("pool-caller-leaves-chunks", "csrc/cpu/pool.c", "    take_chunks();\n    int spins = 0;",
-             "    int spins = 0;", ["tests/test_kernels.py", "-k", "no_worker_joins"],
+             "    int spins = 0;", ["tests/test_pool.py", "-k", "no_worker_joins"],
              "the caller takes no chunks and waits for the workers, as the old pool waited for sleeping ones"),
 ]

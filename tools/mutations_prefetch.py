@@ -93,7 +93,7 @@ PREFETCH: list[Mutation] = [
              ["tests/test_draft_residency.py", "-k", "lands_before"],
              "a prefetch timed from after its submit: a read that landed first counts negative hidden time"),
     Mutation("spin-env-ignored", "runtime/kernels/cpu.py", "            _cpu.pool_spin_us(spin)", "            pass",
-             ["tests/test_kernels.py", "-k", "spin"], "S2MOE_SPIN_US read and checked, then not applied"),
+             ["tests/test_pool.py", "-k", "spin"], "S2MOE_SPIN_US read and checked, then not applied"),
     Mutation("restrict-fast-path-no-fallback", "runtime/model/routing.py",
              "        if fallback == \"best\" and all(e < 0 for e, _ in kept) and any(ok):",
              "        if False:", ["tests/test_draft_residency.py", "-k", "one_token"],
