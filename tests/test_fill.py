@@ -33,9 +33,13 @@ def test_background_fill_gives_the_same_tokens_and_reads_each_expert_once():
 
 
 def test_the_fill_waits_for_the_prompt_and_passes_take_its_reads_over():
+    """Nothing is read beside start-up's cost estimate or the prompt; the first pass after them
+    starts the fill, and a pass that needs an expert in flight takes that read over."""
     engine = build_engine(str(DEFAULT_MODEL), kv_positions=64, preload="background")
     model, cache = engine.model, engine.cache
     kv = model.new_cache(64)
+    with phase_of(model, "estimate"):  # start-up's timed passes (decoding/estimate.py)
+        model.forward(list(range(100, 104)), model.new_cache(8), logits="last")
     with phase_of(model, "prefill"):
         model.forward(list(range(100, 120)), kv, logits="last")
     assert cache.fill.started_at is None and not cache.fill.inflight  # nothing read beside the prompt

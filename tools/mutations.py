@@ -490,7 +490,8 @@ CORE: list[Mutation] = [
     Mutation("kv-default-f32", "runtime/model/kv_cache.py", 'chosen = ("f32" if on_device else "f16")',
              'chosen = "f32"', ["tests/test_kv_types.py"], "runs keep a float32 KV cache by default"),
     # -- start like mmap (offload/fill.py) --------------------------------------------------------------
-    Mutation("fill-during-prompt", "runtime/offload/fill.py", 'WAIT_PHASES = ("prefill", "load")', 'WAIT_PHASES = ("load",)',
+    Mutation("fill-during-prompt", "runtime/offload/fill.py", 'WAIT_PHASES = ("prefill", "load", "estimate")',
+             'WAIT_PHASES = ("load", "estimate")',
              ["tests/test_fill.py"], "the background fill competes with the prompt's reads"),
     Mutation("fill-read-not-taken", "runtime/offload/cache.py",
              "filling = [(key, f) for key in missing if self.fill is not None and (f := self.fill.take(key)) is not None]",

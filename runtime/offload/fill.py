@@ -18,7 +18,9 @@ from typing import Iterable
 
 Key = tuple[int, int]
 
-WAIT_PHASES = ("prefill", "load")  # the fill waits while these run: their reads come first
+# the fill waits while these run: their reads come first, and start-up's cost estimate times
+# passes that background reads would slow
+WAIT_PHASES = ("prefill", "load", "estimate")
 DEPTH = 8  # reads in flight: enough to keep the disk busy, few enough to leave a pass's reads room
 
 
