@@ -57,6 +57,7 @@ def test_the_fill_waits_for_the_prompt_and_passes_take_its_reads_over():
             model.forward([5], kv, logits="last")
     c = model.config
     assert not cache.fill.active and len(cache.held) == c.num_layers * c.num_experts > after_prompt
+    assert cache.report()["fill"]["seconds"] is not None and cache.report()["fill"]["left"] == 0
     assert cache.report()["phases"]["load"]["bytes_read"] + sum(
         s["bytes_read"] for name, s in cache.report()["phases"].items() if name != "load") == \
         engine.loaded.expert_stored_bytes
@@ -70,8 +71,10 @@ def test_closing_with_reads_in_flight_is_clean():
         engine.model.forward([1, 2, 3], kv, logits="last")
         engine.model.forward([4], kv, logits="last")
     assert engine.cache.fill.active
+    left = len(engine.cache.fill.pending) + len(engine.cache.fill.inflight)
     engine.close()
     assert not engine.cache.fill.active
+    assert engine.cache.report()["fill"]["left"] == left > 0 and engine.cache.report()["fill"]["seconds"] is None
 
 
 def test_load_takes_background_or_now_only():

@@ -34,6 +34,7 @@ class BackgroundFill:
         self.done_at: float | None = None
         self.kept = 0
         self.taken = 0  # reads a pass took over
+        self.abandoned = 0  # experts still to read when the run ended (`stop`)
 
     @property
     def active(self) -> bool:
@@ -61,7 +62,10 @@ class BackgroundFill:
             key = self.pending.popleft()
             if key not in cache.held and not cache.in_flight(key):
                 self.inflight[key] = cache.store.submit(key[0], [key[1]])[0]
-        if not self.active and self.done_at is None:
+        self._note_done()
+
+    def _note_done(self) -> None:
+        if not self.active and self.done_at is None and self.started_at is not None:
             self.done_at = time.perf_counter()
 
     def take(self, key: Key):
@@ -69,10 +73,12 @@ class BackgroundFill:
         future = self.inflight.pop(key, None)
         if future is not None:
             self.taken += 1
+            self._note_done()
         return future
 
     def stop(self) -> None:
         """No more reads: unstarted ones cancelled, running ones waited for (their buffers)."""
+        self.abandoned += len(self.pending) + len(self.inflight)
         self.pending.clear()
         for future in self.inflight.values():
             if hasattr(future, "cancel") and not future.cancel():
@@ -84,7 +90,8 @@ class BackgroundFill:
 
     def report(self) -> dict:
         seconds = None if self.started_at is None or self.done_at is None else self.done_at - self.started_at
-        return {"kept": self.kept, "taken_by_passes": self.taken, "left": len(self.pending) + len(self.inflight),
+        return {"kept": self.kept, "taken_by_passes": self.taken,
+                "left": len(self.pending) + len(self.inflight) + self.abandoned,
                 "seconds": None if seconds is None else round(seconds, 3)}
 
 
