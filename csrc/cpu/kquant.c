@@ -244,7 +244,7 @@ int kq_batch_make(kq_batch *b, int type, const float *const *xs, int nb, long K)
     const long U = (K / 32 + 7) / 8;
     const int B = kq_act_block(type);
     memset(b, 0, sizeof(*b));
-    b->B = B, b->K = K, b->nb = nb;
+    b->nb = nb;
     size_t n = nb > 0 ? (size_t)nb : 1;
     b->q = malloc(n * (size_t)K + 32);
     b->d = malloc(sizeof(float) * (n * (size_t)(K / B) + 1));

@@ -18,8 +18,7 @@ void act_quantize(const float *x, long K, int8_t *q, float *d);
  * expert's tokens once per phase instead of once per pool chunk). Made for `type`'s activation
  * block; any type of the same block reads it. kq_batch_make: 0, or -2 (out of memory). */
 typedef struct {
-    int B, nb;
-    long K;
+    int nb;
     int8_t *q;
     float *d;
     int16_t *bs;

@@ -101,11 +101,12 @@ class KVCache:
         if cache_type == "q8_0" and (head_dim % Q8_BLOCK or value_dim % Q8_BLOCK):
             raise KVCacheError(f"a q8_0 KV cache needs widths that are multiples of {Q8_BLOCK} "
                                f"(got {head_dim} and {value_dim})")
-        kd, vd, dtype = head_dim, value_dim, {"f32": np.float32, "f16": np.float16, "q8_0": np.uint8}.get(cache_type)
-        if cache_type == "q8_0":
+        kd, vd = head_dim, value_dim
+        if cache_type == "q8_0":  # a row of blocks: bytes
             kd, vd = row_bytes("q8_0", kd), row_bytes("q8_0", vd)
-        elif dtype is None:
-            row_bytes(cache_type, kd)  # raises, naming the types
+        if cache_type not in CACHE_TYPES:
+            row_bytes(cache_type, 0)  # raises, naming the types
+        dtype = {"f32": np.float32, "f16": np.float16, "q8_0": np.uint8}[cache_type]
         # [kv_heads, positions, width] per layer: one head's keys are contiguous for attention.
         self.keys = [xp.zeros((num_kv_heads, capacity, kd), dtype) for _ in range(num_layers)]
         self.values = [xp.zeros((num_kv_heads, capacity, vd), dtype) for _ in range(num_layers)]

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .experts import ExpertWeights
-from .fill import BackgroundFill
+from .fill import BackgroundFill, future_done as _done
 from .policies import LRU, POLICIES, DecayedLFU  # noqa: F401 (LRU, DecayedLFU: imported from here too)
 
 Key = tuple[int, int]
@@ -87,10 +87,6 @@ class PrefetchStats:
                 "missed_unpredicted": self.missed_unpredicted, "missed_gated": self.missed_gated,
                 "hidden_seconds": round(self.read_seconds - self.waited_seconds, 6),
                 "waited_seconds": round(self.waited_seconds, 6)}
-
-
-def _done(item) -> bool:
-    return item.done() if hasattr(item, "done") else True
 
 
 def _landed(item, done: list) -> float | None:
@@ -364,7 +360,8 @@ class ExpertCache:
         # experts a draft prefetched are in flight or read already: they go first, outside the window
         ahead = [(key, self._prefetched.pop(key)) for key in missing if key in self._prefetched]
         filling = [(key, f) for key in missing if self.fill is not None and (f := self.fill.take(key)) is not None]
-        pending = deque(key for key in missing if key not in dict(ahead) and key not in dict(filling))
+        taken = {key for key, _ in ahead} | {key for key, _ in filling}
+        pending = deque(key for key in missing if key not in taken)
         inflight = deque([(key, future) for key, (future, _, _) in ahead] + filling)
         issued = {key: (t, done) for key, (_, t, done) in ahead}
         self.prefetch_stats.used += len(ahead)

@@ -47,7 +47,7 @@ class BackgroundFill:
             if cache.phase in WAIT_PHASES:
                 return
             self.started_at = time.perf_counter()
-        for key, future in [(k, f) for k, f in self.inflight.items() if _done(f)]:
+        for key, future in [(k, f) for k, f in self.inflight.items() if future_done(f)]:
             del self.inflight[key]
             try:
                 weights = future.result() if hasattr(future, "result") else future
@@ -95,5 +95,6 @@ class BackgroundFill:
                 "seconds": None if seconds is None else round(seconds, 3)}
 
 
-def _done(item) -> bool:
+def future_done(item) -> bool:
+    """A read's future has landed (a plain value: at once). offload/cache.py uses it too."""
     return item.done() if hasattr(item, "done") else True
