@@ -13,7 +13,22 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = [os.path.join("csrc", "cpu", f) for f in ("module.c", "ops.c", "attend.c", "dot.c", "dot512.c", "kquant.c", "kquant_avx2.c", "pool.c", "aio.c", "step.c", "predict.c", "pass.c")]
+SOURCES = [os.path.join("csrc", "cpu", f) for f in ("module.c", "ops.c", "attend.c", "dot.c", "dot512.c", "kquant.c", "kquant_avx2.c", "kquant_amx.c", "pool.c", "aio.c", "step.c", "predict.c", "pass.c")]
+
+
+VNNI_PROBE = (
+    "#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 16) || "
+    "(!defined(__clang__) && __GNUC__ >= 11))\n#include <immintrin.h>\n"
+    '__attribute__((target("avx2,avxvnni"))) __m256i s2moe_probe(__m256i a, __m256i b) '
+    "{ return _mm256_dpbusd_avx_epi32(a, a, b); }\n#endif\nint s2moe_probe_unused;\n"
+)
+AMX_PROBE = (
+    "#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || "
+    "(!defined(__clang__) && __GNUC__ >= 11))\n#include <immintrin.h>\n"
+    '__attribute__((target("amx-tile,amx-int8"))) void s2moe_probe(const void *c, const void *a) '
+    "{ _tile_loadconfig(c); _tile_loadd(1, a, 64); _tile_dpbusd(0, 1, 2); _tile_release(); }\n"
+    "#endif\nint s2moe_probe_unused;\n"
+)
 
 
 class OptionalBuildExt(build_ext):
@@ -24,25 +39,22 @@ class OptionalBuildExt(build_ext):
             print(f"warning: the s2moe CPU kernels were not built ({exc}); s2moe will use NumPy", file=sys.stderr)
 
     def build_extension(self, ext):
-        if not self._assembles_vnni():  # the compiler knows AVX-VNNI but the assembler may not (binutils < 2.36)
+        # the compiler may know AVX-VNNI or AMX while the assembler does not (binutils < 2.36)
+        if not self._assembles(VNNI_PROBE):
             ext.define_macros.append(("S2MOE_NO_VNNI", "1"))
+        if not self._assembles(AMX_PROBE):
+            ext.define_macros.append(("S2MOE_NO_AMX", "1"))
         try:
             super().build_extension(ext)
         except Exception as exc:
             print(f"warning: building {ext.name} failed ({exc}); s2moe will use NumPy", file=sys.stderr)
 
-    def _assembles_vnni(self) -> bool:
-        """Whether this toolchain builds an AVX-VNNI instruction (csrc/cpu/simd.h uses it where so)."""
+    def _assembles(self, probe: str) -> bool:
+        """Whether this toolchain builds the probe's instructions (csrc/cpu/simd.h uses them where so)."""
         import tempfile
 
-        probe = (
-            "#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 16) || "
-            "(!defined(__clang__) && __GNUC__ >= 11))\n#include <immintrin.h>\n"
-            '__attribute__((target("avx2,avxvnni"))) __m256i s2moe_probe(__m256i a, __m256i b) '
-            "{ return _mm256_dpbusd_avx_epi32(a, a, b); }\n#endif\nint s2moe_probe_unused;\n"
-        )
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "vnni_probe.c")
+            path = os.path.join(tmp, "probe.c")
             with open(path, "w") as f:
                 f.write(probe)
             try:
@@ -57,7 +69,7 @@ setup(
         Extension(
             "s2moe._cpu",
             sources=SOURCES,
-            depends=[os.path.join("csrc", "cpu", f) for f in ("aio.h", "dot.h", "kquant.h", "ops.h", "pool.h", "pybuf.h", "quant.h", "pass.h", "predict.h", "simd.h", "step.h")],
+            depends=[os.path.join("csrc", "cpu", f) for f in ("aio.h", "dot.h", "kquant.h", "kquant_unpack.h", "ops.h", "pool.h", "pybuf.h", "quant.h", "pass.h", "predict.h", "simd.h", "step.h")],
             extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-Wall", "-Wno-unknown-pragmas"],
             extra_link_args=["-pthread"],
             libraries=["m"],

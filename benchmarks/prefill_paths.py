@@ -6,7 +6,8 @@ taking turns in one process (this machine drifts by tens of percent within minut
 Paths: the K-quant rows on AVX2 alone in 64-token passes (as before the tiles), AVX-512 tiles of
 rows x tokens in 64-token passes, the tiles in one 512-token pass (what `run` takes when every
 expert is resident), each quantising an expert's inputs in every pool chunk, and the last with
-them quantised once per phase (the default since it came). Every expert is resident; random prompt tokens. Results: a table, and JSON /
+them quantised once per phase, and that with the K-quant rows on AMX tiles (the default where the
+CPU has AMX-INT8). Every expert is resident; random prompt tokens. Results: a table, and JSON /
 CSV in docs/results/prefill-paths.*; docs/performance/peer.md ("Prefill") cites them.
 """
 
@@ -22,9 +23,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
 
-# (AVX-512 tiles, prompt chunk, experts' inputs quantised once per phase)
-PATHS = {"avx2 rows, 64-token passes": (0, 64, 0), "avx512 tiles, 64-token passes": (1, 64, 0),
-         "avx512 tiles, 512-token pass": (1, 512, 0), "tiles, 512-token pass, inputs quantised once": (1, 512, 1)}
+# (AVX-512 tiles, prompt chunk, experts' inputs quantised once per phase, AMX tiles)
+PATHS = {"avx2 rows, 64-token passes": (0, 64, 0, 0), "avx512 tiles, 64-token passes": (1, 64, 0, 0),
+         "avx512 tiles, 512-token pass": (1, 512, 0, 0), "tiles, 512-token pass, inputs quantised once": (1, 512, 1, 0),
+         "amx tiles, 512-token pass": (1, 512, 1, 1)}
 
 
 def main() -> None:
@@ -48,9 +50,10 @@ def main() -> None:
     samples = {name: [] for name in paths}
     try:
         for _ in range(a.reps):
-            for name, (tiles, chunk, once) in paths.items():
+            for name, (tiles, chunk, once, amx) in paths.items():
                 _cpu.use_avx512(tiles)
                 _cpu.act_once(once)
+                _cpu.use_amx(amx)
                 model.prefill_chunk = chunk
                 start = time.perf_counter()
                 model.forward(tokens, model.new_cache(a.tokens + 8), logits="last", record=False)
@@ -58,6 +61,7 @@ def main() -> None:
     finally:
         _cpu.use_avx512(1)
         _cpu.act_once(1)
+        _cpu.use_amx(1)
         engine.close()
     records = [Record("prefill-paths", name, "tok/s", samples[name],
                       params={"model": os.path.basename(a.model), "tokens": a.tokens, "threads": a.threads})

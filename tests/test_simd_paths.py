@@ -101,6 +101,55 @@ def test_vnni_products_give_the_avx2_paths_bits(rng, dtype, form):
         _cpu.use_vnni(1)
 
 
+AMX_TYPES = ("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K")
+
+
+def test_amx_tiles_give_the_avx512_tiles_bits(rng):
+    """A prompt's K-quant rows on AMX tiles (kquant_amx.c) sum the same integers as the AVX-512
+    tiles and the one-token rows, and take the same float steps: the same bits at every token count
+    from the threshold up (whole tiles of 16 and padded ones), for row counts and ranges that are
+    not whole panels of 16, and at the reference's values. IQ4_XS (signed codes) keeps the AVX-512
+    tiles, and a batch under the threshold too."""
+    from s2moe import _cpu
+
+    flags = _cpu_flags()
+    if not (_cpu.use_simd(True) and _cpu.use_avx512(1) and _cpu.use_amx(1)):
+        assert not ({"amx_int8", "amx_tile", "avx512_vnni"} <= flags and _cpu.amx_built), \
+            "the CPU lists AMX-INT8 and this build has the tiles, yet use_amx(1) refused (did the OS deny the tile state?)"
+        pytest.skip(f"this CPU, OS or build has no AMX-INT8 (built: {bool(_cpu.amx_built)}): the AVX-512 tiles serve it")
+    try:
+        for dtype in AMX_TYPES + ("IQ4_XS",):
+            for N, K, T in ((42, 512, 70), (16, 256, 16), (5, 1024, 17), (33, 2048, 40)):
+                W = random_matrix(rng, dtype, N, K)
+                x = (rng.standard_normal((T, K)) * rng.uniform(0.1, 10)).astype(np.float32)
+                x[T // 2, :256] *= 1000.0  # a loud super-block: its neighbours keep their scales
+                out = {}
+                for amx in (1, 0):
+                    assert _cpu.use_amx(amx) == bool(amx)
+                    out[amx] = np.empty((T, N), np.float32)
+                    _cpu.matmul(W.data, W.type_id, N, K, x, out[amx])
+                _cpu.use_amx(1)
+                assert np.array_equal(out[1], out[0]), (dtype, N, K, T)
+                assert rel_err(out[1], ReferenceOps().linear(x, W)) <= REL, (dtype, N, K, T)
+                alone = np.empty((1, N), np.float32)
+                _cpu.matmul(W.data, W.type_id, N, K, x[T - 1:].copy(), alone)
+                assert np.array_equal(alone[0], out[1][T - 1]), (dtype, N, K, T)
+                lo, hi = (3, N - 1) if N > 4 else (0, N)  # a row range that starts inside a panel
+                part = np.empty((T, hi - lo), np.float32)
+                _cpu.matmul(W.rows(slice(lo, hi)).data, W.type_id, hi - lo, K, x, part)
+                assert np.array_equal(part, out[1][:, lo:hi]), (dtype, N, K, T)
+        W = random_matrix(rng, "Q4_K", 24, 512)  # the threshold: 20 tokens take the tiles only from 20 up
+        x = rng.standard_normal((20, 512)).astype(np.float32)
+        got = {}
+        for least in (21, 20):
+            _cpu.use_amx(1, least)
+            got[least] = np.empty((20, 24), np.float32)
+            _cpu.matmul(W.data, W.type_id, 24, 512, x, got[least])
+        assert np.array_equal(got[21], got[20])
+    finally:
+        _cpu.use_amx(1, 16)
+
+
 def _cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux lists them (empty elsewhere)."""
     try:

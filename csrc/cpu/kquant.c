@@ -245,28 +245,34 @@ int kq_batch_make(kq_batch *b, int type, const float *const *xs, int nb, long K)
     const int B = kq_act_block(type);
     memset(b, 0, sizeof(*b));
     b->nb = nb;
-    size_t n = nb > 0 ? (size_t)nb : 1;
-    b->q = malloc(n * (size_t)K + 32);
-    b->d = malloc(sizeof(float) * (n * (size_t)(K / B) + 1));
-    b->bs = malloc(sizeof(int16_t) * (n * (size_t)(16 * U) + 1));
-    b->qs = malloc(sizeof(*b->qs) * n);
-    b->ds = malloc(sizeof(*b->ds) * n);
-    b->bsp = malloc(sizeof(*b->bsp) * n);
+    b->amx = B == 256 && nb >= kq_amx_min && kq_use_amx(-1);
+    size_t n = nb > 0 ? (size_t)nb : 1, n_pad = b->amx ? (size_t)(nb + 15) / 16 * 16 : n;
+    b->q = malloc(n_pad * (size_t)K + 32);
+    b->d = malloc(sizeof(float) * (n_pad * (size_t)(K / B) + 1));
+    b->bs = malloc(sizeof(int16_t) * (n_pad * (size_t)(16 * U) + 1));
+    b->qs = malloc(sizeof(*b->qs) * n_pad);
+    b->ds = malloc(sizeof(*b->ds) * n_pad);
+    b->bsp = malloc(sizeof(*b->bsp) * n_pad);
     if (!b->q || !b->d || !b->bs || !b->qs || !b->ds || !b->bsp) {
         kq_batch_free(b);
         return -2;
     }
-    for (int t = 0; t < nb; t++) {
-        int8_t *qt = b->q + (size_t)t * (size_t)K;
-        int16_t *bt = b->bs + (size_t)t * (size_t)(16 * U);
-        act_quantize_blocks(xs[t], K, B, qt, b->d + (size_t)t * (size_t)(K / B));
+    for (size_t t = 0; t < (size_t)nb || (b->amx && t < n_pad); t++) {
+        int8_t *qt = b->q + t * (size_t)K;
+        int16_t *bt = b->bs + t * (size_t)(16 * U);
+        if (t < (size_t)nb)
+            act_quantize_blocks(xs[t], K, B, qt, b->d + t * (size_t)(K / B));
+        else { /* the AMX tiles' padding: zero codes and scales */
+            memset(qt, 0, (size_t)K);
+            memset(b->d + t * (size_t)(K / B), 0, sizeof(float) * (size_t)(K / B));
+        }
         for (long j = 0; j < 16 * U; j++) { /* Σ q over each run of 16 (0 past the row) */
             int sum = 0;
             for (int i = 0; j < K / 16 && i < 16; i++) sum += qt[16 * j + i];
             bt[j] = (int16_t)sum;
         }
         b->qs[t] = qt;
-        b->ds[t] = b->d + (size_t)t * (size_t)(K / B);
+        b->ds[t] = b->d + t * (size_t)(K / B);
         b->bsp[t] = bt;
     }
     return 0;
@@ -285,6 +291,7 @@ void kq_batch_free(kq_batch *b) {
 void rows_dot_kq_batch(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_batch *b,
                        float *const *ys) {
     kq_acts acts = {b->qs, b->ds, b->bsp};
+    if (b->amx && kq_rows_amx(type, W, rb, K, r0, r1, b, ys)) return;
 #ifdef HAVE_AVX2_PATH
     if (dot_simd()) {
         kq_rows_avx2(type, W, rb, K, r0, r1, &acts, ys, b->nb);

@@ -25,13 +25,28 @@ typedef struct {
     const int8_t **qs;
     const float **ds;
     const int16_t **bsp;
+    /* whether kquant_amx.c's tiles take this batch: then q, d and bs hold whole tiles of 16 tokens,
+     * the last padded with zeros, and the codes of token t start at q + t · K */
+    int amx;
 } kq_batch;
 int kq_batch_make(kq_batch *b, int type, const float *const *xs, int nb, long K);
 void kq_batch_free(kq_batch *b);
 void rows_dot_kq_batch(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_batch *b,
                        float *const *ys);
 
-/* -- between kquant.c and kquant_avx2.c -- */
+/* Whether the K-quants' batches take AMX tiles (kquant_amx.c): `want` 0 or 1 sets it, −1 asks; on
+ * only where the CPU has AMX-INT8, the OS grants its state and the AVX-512 rows are on. */
+int kq_use_amx(int want);
+int kq_amx_built(void);
+/* The fewest tokens a batch takes the AMX tiles with. */
+extern int kq_amx_min;
+
+/* -- between kquant.c and kquant_avx2.c / kquant_amx.c -- */
+
+int kq_amx_type(int type); /* a K-quant with unsigned codes (Q2_K … Q6_K) */
+/* 1 where the tiles took the rows (b laid out, a K-quant with unsigned codes), else 0 */
+int kq_rows_amx(int type, const uint8_t *W, size_t rb, long K, long r0, long r1, const kq_batch *b,
+                float *const *ys);
 
 /* The same, in blocks of B values (32 or 256). */
 void act_quantize_blocks(const float *x, long K, int B, int8_t *q, float *d);

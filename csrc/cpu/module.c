@@ -13,6 +13,7 @@
 #include "aio.h"
 #include "pybuf.h"
 #include "dot.h"
+#include "kquant.h"
 #include "ops.h"
 #include "pool.h"
 #include "quant.h"
@@ -389,6 +390,14 @@ static PyObject *py_use_avx512(PyObject *self, PyObject *args) {
     return PyBool_FromLong(dot_use_avx512(want < 0 ? -1 : want != 0));
 }
 
+static PyObject *py_use_amx(PyObject *self, PyObject *args) {
+    (void)self;
+    int want = -1, min = -1;
+    if (!PyArg_ParseTuple(args, "|ii", &want, &min)) return NULL;
+    if (min > 0) kq_amx_min = min;
+    return PyBool_FromLong(kq_use_amx(want < 0 ? -1 : want != 0));
+}
+
 static PyObject *py_rows4(PyObject *self, PyObject *args) {
     (void)self;
     int on = -1;
@@ -438,6 +447,7 @@ static PyMethodDef methods[] = {
     {"hold_workers", py_hold_workers, METH_VARARGS, "hold_workers(on): tests; workers wait before joining a job while on"},
     {"use_simd", py_use_simd, METH_VARARGS, "use_simd(want) -> whether the SIMD path is used"},
     {"use_vnni", py_use_vnni, METH_VARARGS, "use_vnni(want: 0 off, 1 best, 2 AVX-512 only) -> the int8 rows' VNNI products: 0 none, 1 AVX-VNNI, 2 AVX-512 VNNI (same bits)"},
+    {"use_amx", py_use_amx, METH_VARARGS, "use_amx([want[, min_tokens]]) -> whether a batch of at least min_tokens (16) takes AMX tiles on the K-quants (same bits; on where the CPU and OS allow)"},
     {"use_avx512", py_use_avx512, METH_VARARGS, "use_avx512([want]) -> whether plain rows (F32, F16, BF16) take AVX-512 (the default where the CPU has it)"},
     {"rows4", py_rows4, METH_VARARGS, "rows4([on]) -> whether one token takes plain rows four at a time (the default; the same bits)"},
     {"act_q8", py_act_q8, METH_VARARGS, "act_q8([on]) -> whether Q8_0 / Q4_0 rows meet int8 activations (the default)"},
@@ -454,7 +464,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu", "s2moe CPU ke
 PyMODINIT_FUNC PyInit__cpu(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && (aio_register(m) < 0 || step_register(m) < 0 || predict_register(m) < 0 || pass_register(m) < 0 ||
-              PyModule_AddIntConstant(m, "vnni_built", dot_vnni_built()) < 0))
+              PyModule_AddIntConstant(m, "vnni_built", dot_vnni_built()) < 0 ||
+              PyModule_AddIntConstant(m, "amx_built", kq_amx_built()) < 0))
         Py_CLEAR(m);
     return m;
 }

@@ -45,8 +45,9 @@ static inline void pool_span(long n, int ith, int nth, long *a, long *b) {
  * 128 KiB (offload/memory.py) every one was a fresh mapping whose pages faulted in again, 1.4-3.4 s
  * of system time in an 8 s pass at OLMoE-1B-7B's shape. It never shrinks: a thread keeps its
  * largest pass's scratch, which the memory plan's workspace counts. One slot per caller that may
- * nest in another: ARENA_MOE (op_moe), ARENA_BLOCK (op_attn_block), ARENA_ATTEND (op_attend). */
-enum { ARENA_MOE, ARENA_BLOCK, ARENA_ATTEND, ARENA_SLOTS };
+ * nest in another: ARENA_MOE (op_moe), ARENA_BLOCK (op_attn_block), ARENA_ATTEND (op_attend), ARENA_AMX (a
+ * panel of kquant_amx.c's rows). */
+enum { ARENA_MOE, ARENA_BLOCK, ARENA_ATTEND, ARENA_AMX, ARENA_SLOTS };
 void *arena_get(int slot, size_t bytes);
 
 /* Tests: while on, workers wait before joining a job, as if the OS had not woken them yet. */

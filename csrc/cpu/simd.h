@@ -24,6 +24,12 @@
 #define INLINE_VNNI512 static inline __attribute__((always_inline, target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #endif
 
+/* AMX-INT8 (Sapphire Rapids and later): tile products for a prompt's K-quant rows (kquant_amx.c).
+ * GCC 11 and clang 12 know its intrinsics; setup.py probes the assembler (S2MOE_NO_AMX). */
+#if ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)) && !defined(S2MOE_NO_AMX) && defined(__linux__)
+#define HAVE_AMX_PATH 1
+#endif
+
 INLINE_AVX2 float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

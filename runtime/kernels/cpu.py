@@ -124,7 +124,7 @@ class CpuOps(ReferenceOps):
         spin = spin_from_env()
         if spin is not None:
             _cpu.pool_spin_us(spin)
-        self.path = _cpu.path()
+        self.path = _cpu.path() + ("+amx" if _cpu.use_amx() else "")  # AMX: a prompt's K-quant rows
         self.int8_activations = _cpu.act_q8(1 if int8_activations() else 0)  # the reference's choice, read now
         self._attn_layers: dict[int, tuple] = {}  # layer -> (W, config, `_attn_args`): kept per model's weights
 
