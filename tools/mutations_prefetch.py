@@ -490,4 +490,18 @@ PREFETCH: list[Mutation] = [
     Mutation("amx-cannot-be-turned-off", "csrc/cpu/kquant_amx.c",
              "    if (want >= 0) want_amx = want != 0;\n", "",
              ["tests/test_simd_paths.py", "-k", "amx"], "`use_amx(0)` keeps the tiles: their bits go unchecked against the AVX-512 tiles"),
+    # the function-preserving widening to real shapes (tools/widen_model.py)
+    Mutation("widen-rope-pairs-not-moved", "tools/widen_model.py",
+             "self.dim = np.array([self.r * d if d < half0 else self.D // 2 + self.r * (d - half0) for d in range(self.D0)])",
+             "self.dim = np.arange(self.D0)", ["tests/test_widen.py", "-k", "real_shape"],
+             "a wider head keeps its dimensions in place: RoPE turns them at other frequencies"),
+    Mutation("widen-split-down-not-scaled", "tools/widen_model.py",
+             'down = t[x + "down_proj.weight"][:, neurons] * np.float16(sh.s)', 'down = t[x + "down_proj.weight"][:, neurons]',
+             ["tests/test_widen.py", "-k", "real_shape"], "split experts' halves weigh half their expert: the mixture halves"),
+    Mutation("widen-identity-layers-keep-attention", "tools/widen_model.py",
+             "    if identity:\n        o = np.zeros_like(o)\n", "", ["tests/test_widen.py", "-k", "real_shape"],
+             "the added layers' attention writes into the residual stream"),
+    Mutation("widen-softmax-scale-not-undone", "tools/widen_model.py",
+             " * scale * math.sqrt(sh.r)  #", " * scale  #", ["tests/test_widen.py", "-k", "real_shape"],
+             "wider heads' attention scores shrink by 1/sqrt(r)"),
 ]
