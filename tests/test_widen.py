@@ -89,13 +89,12 @@ def test_real_shape_widening_keeps_tokens_and_the_trained_layers_routing(real_sh
         assert generate_ar(a, ids[:8], 32).tokens == generate_ar(b, ids[:8], 32).tokens
 
 
-def test_real_shape_widening_as_q8_0_gguf_keeps_the_first_tokens(real_shape, tmp_path):
-    from s2moe.runtime.model.formats.gguf_writer import write_gguf
-    from s2moe.runtime.offload.store import ExpertStore
-
+def test_real_shape_widening_as_q8_0_gguf_keeps_the_first_tokens(real_shape):
     small, wide = real_shape
-    path = str(tmp_path / "wide-q8_0.gguf")
-    write_gguf(wide, path, ExpertStore(wide, direct=False).read, "Q8_0", None, False, wide.tokenizer_path)
+    (path,) = widen_model.export(wide.path, ["Q8_0"], None)
+    assert path == os.path.normpath(wide.path) + "-q8_0.gguf"
+    with pytest.raises(SystemExit, match="llama-quantize"):  # a mix needs llama.cpp's tool
+        widen_model.export(wide.path, ["Q4_K_M"], None)
     a, q = MoEModel(small), MoEModel(load_model(path))
     same = total = 0
     for seed in range(4):

@@ -28,8 +28,11 @@ compute of the larger shape. Every construction is exact in real arithmetic:
 
 Weights are F16 safetensors (the embedded model's own type; the scaled norm weights F32), one shard
 per layer with an index, each written to a temporary name and renamed, with the tokenizer and
-generation config. `s2moe convert --to gguf --type Q8_0` makes a GGUF of it; llama-quantize makes
-that Q4_K_M (benchmarks/real_models.py does both).
+generation config. ``--gguf Q8_0,Q4_K_M --quantize PATH/llama-quantize`` also writes GGUFs beside
+it: the types `s2moe convert` writes directly, and llama.cpp's mixes through llama-quantize from a
+Q8_0 (with ``--override-kv general.alignment=int:32``: llama-quantize keeps the source's 4096-byte
+alignment key but aligns its data to 32, and the file it writes is short). At OLMoE-1B-7B's shape
+both s2moe and llama.cpp give the embedded model's greedy text on the Q8_0 and the Q4_K_M.
 """
 
 from __future__ import annotations
@@ -182,6 +185,39 @@ def _layer(t: dict[str, np.ndarray], sh: Shape, i: int, layer: int, identity: bo
     return out
 
 
+def export(folder: str, types: list[str], quantize: str | None) -> list[str]:
+    """GGUFs of the widened folder, `folder`-<type>.gguf: direct types by s2moe's writer, llama.cpp's
+    mixes (Q4_K_M, …) by llama-quantize from a Q8_0 written first."""
+    import subprocess
+
+    from s2moe.runtime.model.formats.gguf_writer import write_gguf
+    from s2moe.runtime.model.loader import load_model
+    from s2moe.runtime.offload.store import ExpertStore
+
+    loaded, written = load_model(folder, dense=False), []
+    base = os.path.normpath(folder)
+    for kind in types:
+        path = f"{base}-{kind.lower()}.gguf"
+        direct = kind in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+        if not direct and not (quantize and os.path.exists(quantize)):
+            raise SystemExit(f"error: --gguf {kind} is a llama.cpp mix: give --quantize PATH/llama-quantize")
+        source = path if direct else path + ".q8_0.tmp"
+        write_gguf(loaded, source + ".part", ExpertStore(loaded).read, kind if direct else "Q8_0", None, False,
+                   loaded.tokenizer_path)
+        os.replace(source + ".part", source)
+        if not direct:
+            try:
+                r = subprocess.run([quantize, "--allow-requantize", "--override-kv", "general.alignment=int:32", source,
+                                    path + ".part", kind, str(os.cpu_count() or 2)], capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise SystemExit(f"error: llama-quantize failed ({r.returncode}): {(r.stderr or r.stdout)[-2000:]}")
+                os.replace(path + ".part", path)
+            finally:
+                os.unlink(source)
+        written.append(path)
+    return written
+
+
 def _pad(w: np.ndarray, shape: tuple) -> np.ndarray:
     shape = tuple(n if n is not None else w.shape[i] for i, n in enumerate(shape))
     out = np.zeros(shape, dtype=w.dtype)
@@ -220,6 +256,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int)
     ap.add_argument("--src", default=str(DEFAULT_MODEL), help="an OLMoE HF folder (default: the embedded model)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--gguf", default="", help="also write GGUFs of these types, e.g. Q8_0,Q4_K_M (OUT-<type>.gguf)")
+    ap.add_argument("--quantize", help="llama-quantize, for llama.cpp's mixes (benchmarks/peer.py --build makes it)")
     args = ap.parse_args()
     shape = dict(PRESETS.get(args.preset, {}))
     for key in ("hidden", "intermediate", "layers", "experts", "heads", "head_dim"):
@@ -228,6 +266,8 @@ def main() -> None:
     shape.setdefault("hidden", 1024)
     shape.setdefault("intermediate", 512)
     print(f"wrote {widen(args.src, args.out, **shape)}", file=sys.stderr)
+    for path in export(args.out, [t.strip().upper() for t in args.gguf.split(",") if t.strip()], args.quantize):
+        print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ def convert(
     split_experts: bool = typer.Option(False, "--split-experts", help="One tensor per (layer, expert, projection)."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists (never an input of this run)."),
 ):
-    """Convert a model to GGUF."""
+    """Convert a model to GGUF, its tensor data aligned to 4 KiB for direct reads. To requantize the
+    file with llama-quantize, add `--override-kv general.alignment=int:32` (it keeps the key, not the
+    alignment, and its output is otherwise short)."""
     with cli_errors():
         from ..errors import UsageError
         from ..offload.store import ExpertStore
