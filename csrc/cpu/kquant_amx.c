@@ -69,8 +69,9 @@ int kq_use_amx(int want) {
 #endif
 }
 
-/* Batches of fewer tokens keep kquant_avx2.c's tiles (a tile of 16 tokens, padded, costs the same
- * bookkeeping for any number of them). Settable for benchmarks and tests (`_cpu.amx_min`). */
+/* Batches of fewer tokens keep kquant_avx2.c's tiles: a panel's unpack is paid whatever the batch,
+ * and at 4-8 tokens AMX gave 0.6-0.9× of them. Settable for benchmarks and tests
+ * (`_cpu.use_amx(1, n)`). */
 int kq_amx_min = 16;
 
 int kq_amx_type(int type) {
