@@ -30,8 +30,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
-#define INLINE_AMX static inline __attribute__((always_inline, target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
+#define AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,amx-tile,amx-int8")))
+#define INLINE_AMX static inline __attribute__((always_inline, target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,amx-tile,amx-int8")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -43,8 +43,8 @@ static void amx_probe(void) {
     __builtin_cpu_init();
     unsigned a, b, c, d;
     __asm__ __volatile__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 24) & 1) || !((d >> 25) & 1) || !__builtin_cpu_supports("avx512vnni") ||
-        !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl"))
+    if (!((d >> 24) & 1) || !((d >> 25) & 1) || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl"))
         return;
     amx_ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
