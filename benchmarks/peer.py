@@ -27,6 +27,11 @@ both alike), 2 threads each:
 A program's non-model baseline is measured uncapped: its peak (cgroup) minus the model bytes it held
 (llama.cpp's from its mmap run: with --no-mmap its buffered read also charges the file's pages).
 
+--file PATH takes a GGUF with trained weights (tools/widen_model.py's real-size model): both programs
+decode PROMPT greedily, llama.cpp by llama-completion (its eval-time tokens/s, and its text), s2moe
+as AR and as S²-MoE; each record keeps the text, and the table says whether it is llama.cpp's.
+--share takes a list (0.25,0.10): one capped setting per share.
+
 Results: a table on stderr, JSON and CSV in docs/results/peer.*; docs/performance.md quotes them.
 """
 
@@ -36,6 +41,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -147,15 +153,38 @@ def first_token_seconds(cmd: list[str], path: str) -> tuple[float | None, str]:
 
 
 def s2moe_cmd(path: str, tokens: int, threads: int, budget: int | None, sampled: bool = False,
-              load: str = "now") -> list[str]:
+              load: str = "now", method: str = "ar") -> list[str]:
     """``sampled``: T = 1 with a fixed seed. Random weights make greedy text repeat one token, so its
     routing never moves and a capped run would find its experts cached (llama-bench's tg feeds
     random tokens). ``load`` now: decode and prefill are timed warm, as llama-bench's are after
     its warm-up run."""
     cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", path, "--prompt", PROMPT, "-n", str(tokens),
-           "--method", "ar", "--threads", str(threads), "--json", "--ignore-eos", "--load", load]
+           "--method", method, "--threads", str(threads), "--json", "--ignore-eos", "--load", load]
     cmd += ["--temperature", "1", "--top-k", "0", "--top-p", "1", "--seed", "0"] if sampled else ["--temperature", "0"]
     return cmd + (["--budget", str(budget)] if budget else [])
+
+
+def text_cmds(cache: str, path: str, tokens: int, threads: int) -> dict[str, list[str]]:
+    """--file: greedy decoding of PROMPT by both programs, with their texts (llama.cpp's best of
+    repacked or stored weights, mapped or read)."""
+    completion = os.path.join(cache, "build", "bin", "llama-completion")
+    llama = [completion, "-m", path, "-p", PROMPT, "-n", str(tokens), "-t", str(threads), "--temp", "0", "-no-cnv",
+             "--simple-io", "--no-warmup", "--no-display-prompt", "--ignore-eos"]
+    return {"llama.cpp mmap": llama, "llama.cpp mmap repack 0": llama + ["--no-repack"],
+            "llama.cpp no-mmap": llama + ["--load-mode", "none"], "s2moe": s2moe_cmd(path, tokens, threads, None),
+            "s2moe s2moe": s2moe_cmd(path, tokens, threads, None, method="s2moe")}
+
+
+EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs")
+
+
+def completion_result(stdout: str, stderr: str) -> tuple[float | None, str]:
+    """llama-completion's decode tokens/s (its "eval time" line: the prompt is "prompt eval") and text."""
+    for line in stderr.splitlines():
+        if "prompt eval time" not in line and (m := EVAL.search(line)):
+            ms, runs = float(m.group(1)), int(m.group(2))
+            return (runs / (ms / 1e3) if ms > 0 else None), stdout.replace("[end of text]", "").strip()
+    return None, stdout.strip()
 
 
 PREFILL_SIZES = (64, 512)
@@ -188,9 +217,9 @@ def prefill_cmds(binary: str, path: str, cache: str, tokens: int, threads: int) 
             "s2moe": s2moe}
 
 
-def run(cmd: list[str], limit: int | None, drop: str | None) -> tuple[float | None, int | None, str]:
+def run(cmd: list[str], limit: int | None, drop: str | None, texts: list | None = None) -> tuple[float | None, int | None, str]:
     """(tokens/s or None, cgroup peak bytes, outcome): decode's, or prefill's for a run of one
-    token (s2moe) or a pp test (llama-bench)."""
+    token (s2moe) or a pp test (llama-bench). ``texts``: the decoded text is appended to it."""
     if drop:
         cgroups.drop_page_cache(drop)
     r = cgroups.run_in_cgroup(cmd, limit_bytes=limit, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -198,7 +227,14 @@ def run(cmd: list[str], limit: int | None, drop: str | None) -> tuple[float | No
         return None, r.peak_bytes, "OOM-killed"
     if r.returncode != 0:
         return None, r.peak_bytes, f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1][:200] if r.stderr else ''}"
+    if os.path.basename(cmd[0]) == "llama-completion":
+        tps, text = completion_result(r.stdout, r.stderr)
+        if texts is not None:
+            texts.append(text)
+        return tps, r.peak_bytes, "ok" if tps else "no eval-time line"
     data = json.loads(r.stdout)
+    if texts is not None and isinstance(data, dict):
+        texts.append(data.get("text", "").strip())
     if isinstance(data, list):  # llama-bench: one record per test
         return float(data[0]["avg_ts"]), r.peak_bytes, "ok"
     stats = data["stats"]
@@ -215,17 +251,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--share", default="0.25", help="expert share in the cap formula")
+    ap.add_argument("--share", default="0.25", help="expert share(s) in the cap formula, e.g. 0.25,0.10")
     ap.add_argument("--settings", default="uncapped,capped",
                     help="uncapped, capped, prefill, first-token (cold start, 1 token)")
     ap.add_argument("--preset", help="a released model's shape (benchmarks/real_models.py), random weights")
+    ap.add_argument("--file", help="a GGUF with trained weights: greedy text from both programs (see above)")
     ap.add_argument("--out", default="docs/results/peer")
     args = ap.parse_args()
     if cgroups.available() is None:
         sys.exit("error: memory cgroups are not writable here; the capped setting needs them")
     binary = build(args.cache) if args.build else bench_binary(args.cache)
     types = [t.strip().upper() for t in args.types.split(",")]
-    paths = real_models(args.cache, args.preset, types) if args.preset else models(args.cache, types)
+    if args.file:
+        paths = {os.path.basename(args.file): args.file}
+    else:
+        paths = real_models(args.cache, args.preset, types) if args.preset else models(args.cache, types)
     records = []
     for kind, path in paths.items():
         size = sizes(path)
@@ -236,6 +276,8 @@ def main() -> None:
         }
         if args.preset:  # its best setting: weights repacked for its SIMD (the default) or as stored
             programs["llama.cpp mmap repack 0"] = llama_cmd(binary, path, args.tokens, args.threads, True, False)
+        if args.file:
+            programs = text_cmds(args.cache, path, args.tokens, args.threads)
         # each program's non-model baseline: uncapped peak minus the model bytes it held (all of them)
         baseline = {}
         speeds = [x for x in args.settings.split(",") if x in ("uncapped", "capped")]
@@ -243,13 +285,13 @@ def main() -> None:
             if name == "llama.cpp no-mmap":  # its buffered read also fills the page cache: the
                 continue  # non-model part is the mmap run's (same program, same buffers)
             _, peak, outcome = run(cmd, None, path)
-            held = size["file"] if name != "s2moe" else size["dense_stored"] + size["expert_stored"]
+            held = size["file"] if not name.startswith("s2moe") else size["dense_stored"] + size["expert_stored"]
             baseline[name] = max(peak - held, 0) if peak else 0
             print(f"{kind} {name}: uncapped peak {peak >> 20} MiB, baseline {baseline[name] >> 20} MiB ({outcome})",
                   file=sys.stderr)
         baseline["llama.cpp no-mmap"] = baseline.get("llama.cpp mmap", 0)
         baseline["llama.cpp mmap repack 0"] = baseline.get("llama.cpp mmap repack 0", baseline["llama.cpp no-mmap"])
-        share = float(args.share)
+        shares = [float(x) for x in args.share.split(",")]
         if "first-token" in args.settings.split(","):  # alternating, every program from a cold page cache
             cmds = first_token_cmds(args.cache, path, args.threads)
             seconds = {n: [] for n in cmds}
@@ -281,33 +323,42 @@ def main() -> None:
                                           params={"type": kind, "setting": f"pp{n}", "program": name,
                                                   "threads": args.threads, "model": os.path.basename(path), **size},
                                           extra={"outcomes": outcomes[name]}))
-        for setting in speeds:
-            capped = setting == "capped"
+        settings = [(s, None) for s in speeds if s == "uncapped"] + [("capped", x) for x in shares if "capped" in speeds]
+        for setting, share in settings:
+            capped = share is not None
+            label = f"capped {share:.0%}" if capped and (len(shares) > 1 or args.file) else setting
             cmds = dict(programs)
-            limits = {n: baseline[n] + size["dense_stored"] + int(share * size["expert_stored"]) for n in cmds}
-            if capped:  # told the memory it has (the cap less its baseline), s2moe plans within it
-                cmds["s2moe"] = s2moe_cmd(path, args.tokens, args.threads, limits["s2moe"] - baseline["s2moe"],
-                                          sampled=bool(args.preset))
-            else:
+            limits = {n: baseline[n] + size["dense_stored"] + int((share or 0) * size["expert_stored"]) for n in cmds}
+            for name in [n for n in cmds if n.startswith("s2moe")] if capped else ():
+                # told the memory it has (the cap less its baseline), s2moe plans within it
+                cmds[name] = cmds[name] + ["--budget", str(limits[name] - baseline[name])]
+                if not args.file and args.preset:
+                    cmds[name] = s2moe_cmd(path, args.tokens, args.threads, limits[name] - baseline[name], sampled=True)
+            if not capped:
                 cmds.pop("llama.cpp no-mmap")  # uncapped: llama.cpp's default (mmap) is the reference
             samples = {n: [] for n in cmds}
             peaks = {n: [] for n in cmds}
             outcomes = {n: [] for n in cmds}
+            texts = {n: [] for n in cmds}
             for _ in range(args.reps):  # alternating: every program once per round
                 for name, cmd in cmds.items():
-                    tps, peak, outcome = run(cmd, limits[name] if capped else None, path if capped else None)
+                    tps, peak, outcome = run(cmd, limits[name] if capped else None, path if capped else None,
+                                             texts[name])
                     outcomes[name].append(outcome)
                     peaks[name].append(peak)
                     if tps is not None:
                         samples[name].append(tps)
+            reference = next((t[0] for n, t in texts.items() if n.startswith("llama.cpp") and t), None)
             for name in cmds:
-                records.append(Record("peer", f"{kind} {setting} {name}", "tok/s", samples[name],
-                                      params={"type": kind, "setting": setting, "program": name,
+                text = {"texts": texts[name][:1], "same_text_as_llama_cpp":
+                        None if reference is None or not texts[name] else texts[name][0] == reference} if args.file else {}
+                records.append(Record("peer", f"{kind} {label} {name}", "tok/s", samples[name],
+                                      params={"type": kind, "setting": label, "program": name,
                                               "tokens": args.tokens, "threads": args.threads,
                                               "limit_bytes": limits[name] if capped else None,
                                               "model": os.path.basename(path), **size},
                                       extra={"outcomes": outcomes[name], "peak_bytes": peaks[name],
-                                             "baseline_bytes": baseline[name]}))
+                                             "baseline_bytes": baseline[name], **text}))
     write_outputs(records, {**machine_info(), "llama_bench": binary}, args.out, "llama.cpp vs s2moe, AR decode")
 
 
