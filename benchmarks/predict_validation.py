@@ -1,14 +1,16 @@
 """Is `s2moe-calib predict` right? Predict a device from a trace recorded here, then run that device.
 
-    python benchmarks/predict_validation.py --model /path/to/widened [--out docs/results/predict]
+    python benchmarks/predict_validation.py [--model /path/to/widened] [--out docs/results/predict]
     python benchmarks/predict_validation.py --render docs/results/predict   # the table only
 
 Steps (each a CLI call, so this is what a user would run; nothing else may run on the machine):
 1. `s2moe bench --trace` at real-disk speed, AR and S²-MoE, at each budget;
 2. `s2moe-calib profile` under the emulated tier (``--emulate-bandwidth/--emulate-latency``);
-3. `s2moe-calib predict` from each trace with that profile, at each budget;
+3. `s2moe-calib predict` from each trace with that profile, at each budget: AE's decisions re-made
+   with the profile's costs (the default), and the passes priced as recorded (`--as-recorded`);
+   also from a trace recorded with every expert resident (a workstation's), at each budget;
 4. `s2moe bench` under the emulated tier with that profile, for real (and S²-MoE without prefetch,
-   which the replay does not model).
+   which tells the prefetch model's share of the error).
 The table compares predicted and measured decode tokens/s (aggregate: tokens / decode seconds).
 """
 
@@ -33,20 +35,31 @@ def call(args: list[str], log: str) -> None:
 def run(a) -> None:
     os.makedirs(a.out, exist_ok=True)
     o = lambda name: os.path.join(a.out, name)  # noqa: E731
-    bench = ["s2moe", "bench", "--model", a.model, "--workload", a.workload, "--n-prompts", str(a.n_prompts),
+    model = ["--model", a.model] if a.model else []  # none: the embedded default model
+    bench = ["s2moe", "bench", *model, "--workload", a.workload, "--n-prompts", str(a.n_prompts),
              "--max-tokens", str(a.max_tokens)]
     emulate = ["--emulate-bandwidth", str(a.bandwidth), "--emulate-latency", str(a.latency)]
     for b in a.budgets:
         call(bench + ["--methods", "ar,s2moe", "--budget", b, "--trace", o(f"trace-{b}.json"),
                       "--json", o(f"real-{b}.json")], o(f"real-{b}.log"))
-    call(["s2moe-calib", "profile", "--device", "cpu", "--model", a.model, "--budget", a.budgets[0], *emulate,
-          "--samples", "80", "--rounds", "5", "--out", o("emu-profile.json")], o("profile.log"))
+    call(["s2moe-calib", "profile", "--device", "cpu", *model, "--budget", a.budgets[0], *emulate,
+          "--samples", "80", "--rounds", "5", "--n-prompts", str(a.profile_prompts), "--out", o("emu-profile.json")],
+         o("profile.log"))
     for b in a.budgets:
-        with open(o(f"predict-{b}.json"), "w") as f:
-            subprocess.run(["s2moe-calib", "predict", "--trace", o(f"trace-{b}.json"), "--profile", o("emu-profile.json"),
-                            "--budget", b, "--json"], stdout=f, check=True)
+        for name, extra in ((f"predict-{b}.json", []), (f"recorded-{b}.json", ["--as-recorded"])):
+            with open(o(name), "w") as f:
+                subprocess.run(["s2moe-calib", "predict", "--trace", o(f"trace-{b}.json"), "--profile",
+                                o("emu-profile.json"), "--budget", b, "--json", *extra], stdout=f, check=True)
         call(bench + ["--methods", "ar,s2moe", "--budget", b, "--profile", o("emu-profile.json"), *emulate,
                       "--json", o(f"emu-{b}.json")], o(f"emu-{b}.log"))
+    # a trace with every expert resident (a workstation's), predicted at each budget: here the
+    # recorded decisions are furthest from the capped device's, so re-making them matters most
+    call(bench + ["--methods", "ar,s2moe", "--trace", o("trace-full.json"), "--json", o("real-full.json")], o("real-full.log"))
+    for b in a.budgets:
+        for name, extra in ((f"full-predict-{b}.json", []), (f"full-recorded-{b}.json", ["--as-recorded"])):
+            with open(o(name), "w") as f:
+                subprocess.run(["s2moe-calib", "predict", "--trace", o("trace-full.json"), "--profile",
+                                o("emu-profile.json"), "--budget", b, "--json", *extra], stdout=f, check=True)
     b = a.budgets[0]
     call(bench + ["--methods", "s2moe", "--budget", b, "--profile", o("emu-profile.json"), *emulate, "--no-prefetch",
                   "--json", o(f"emu-noprefetch-{b}.json")], o(f"emu-noprefetch-{b}.log"))
@@ -57,23 +70,41 @@ def render(folder: str) -> None:
         d = json.load(open(path))
         return {r["name"]: r for r in d["records"]}
 
-    print("| budget | method | predicted tok/s | measured tok/s | error | predicted speedup | measured speedup |"
-          " acceptance length (trace → emulated run) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| budget | method | predicted tok/s | measured tok/s | error | as recorded: error | predicted speedup |"
+          " measured speedup | acceptance length (trace → emulated run) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     budgets = sorted({f.split("-", 1)[1].removesuffix(".json") for f in os.listdir(folder) if f.startswith("predict-")},
                      key=float, reverse=True)
     for b in budgets:
         pred = {m["method"]: m for m in json.load(open(os.path.join(folder, f"predict-{b}.json")))["methods"]}
+        path = os.path.join(folder, f"recorded-{b}.json")
+        recorded = {m["method"]: m for m in json.load(open(path))["methods"]} if os.path.exists(path) else {}
         emu, real = measured(os.path.join(folder, f"emu-{b}.json")), measured(os.path.join(folder, f"real-{b}.json"))
         agg = {k: r["extra"]["decode_tokens_per_s_aggregate"] for k, r in emu.items()}
         for name, p in pred.items():
             got = agg[name]
             acc = f"{real[name]['extra']['acceptance_length']:.2f} → {emu[name]['extra']['acceptance_length']:.2f}"
+            r = recorded.get(name)
+            as_recorded = f"{(r['predicted_tokens_per_s'] / got - 1) * 100:+.1f} %" if r else "-"
             print(f"| {b} | {name} | {p['predicted_tokens_per_s']:.2f} | {got:.2f} | "
-                  f"{(p['predicted_tokens_per_s'] / got - 1) * 100:+.1f} % | {p['predicted_speedup_vs_ar']:.2f}× | "
+                  f"{(p['predicted_tokens_per_s'] / got - 1) * 100:+.1f} % | {as_recorded} | {p['predicted_speedup_vs_ar']:.2f}× | "
                   f"{got / agg['ar']:.2f}× | {acc} |")
+    for b in budgets:
+        path = os.path.join(folder, f"full-predict-{b}.json")
+        if not os.path.exists(path):
+            continue
+        pred = {m["method"]: m for m in json.load(open(path))["methods"]}
+        recorded = {m["method"]: m for m in json.load(open(os.path.join(folder, f"full-recorded-{b}.json")))["methods"]}
+        emu = measured(os.path.join(folder, f"emu-{b}.json"))
+        agg = {k: r["extra"]["decode_tokens_per_s_aggregate"] for k, r in emu.items()}
+        for name, p in pred.items():
+            got, r = agg[name], recorded[name]
+            print(f"| {b}, from the full-budget trace | {name} | {p['predicted_tokens_per_s']:.2f} | {got:.2f} | "
+                  f"{(p['predicted_tokens_per_s'] / got - 1) * 100:+.1f} % | "
+                  f"{(r['predicted_tokens_per_s'] / got - 1) * 100:+.1f} % | {p['predicted_speedup_vs_ar']:.2f}× | "
+                  f"{got / agg['ar']:.2f}× | – |")
     for f in sorted(os.listdir(folder)):
-        if f.startswith("emu-noprefetch-"):
+        if f.startswith("emu-noprefetch-") and f.endswith(".json"):
             r = measured(os.path.join(folder, f))["s2moe"]
             print(f"\nS²-MoE without prefetch at {r['params']['budget']}: "
                   f"{r['extra']['decode_tokens_per_s_aggregate']:.2f} tok/s measured")
@@ -81,11 +112,13 @@ def render(folder: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="the traced model (tools/widen_model.py makes the cost-realistic one)")
+    ap.add_argument("--model", help="the traced model (default: the embedded one; tools/widen_model.py makes "
+                    "the real-size one)")
     ap.add_argument("--budgets", default="0.25,0.1")
     ap.add_argument("--workload", default="humaneval")
-    ap.add_argument("--n-prompts", type=int, default=3)
+    ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--profile-prompts", type=int, default=16, help="prompts the profile decodes (its --n-prompts)")
     ap.add_argument("--bandwidth", type=float, default=200.0, help="emulated MB/s")
     ap.add_argument("--latency", type=float, default=300.0, help="emulated µs")
     ap.add_argument("--out", default="docs/results/predict")
@@ -93,8 +126,6 @@ def main() -> None:
     a = ap.parse_args()
     if a.render:
         return render(a.render)
-    if not a.model:
-        ap.error("--model is required to run (or --render FOLDER)")
     a.budgets = a.budgets.split(",")
     run(a)
     render(a.out)

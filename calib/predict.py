@@ -10,9 +10,12 @@ fitted cost model:
     draft pass:               C_draft   (the draft uses resident experts only and fetches nothing)
 
 Prefill passes update the cache but are not priced (decode tokens/s, as `s2moe bench` reports).
-What the replay cannot know: the other device's draft lengths and reuse-aware gating follow its own
-costs, not the ones the trace was recorded with, and prefetch overlap is not modelled; so it is a
-prediction for the same drafting decisions (docs/performance.md measures how close it comes).
+As recorded, the passes carry this device's drafting decisions. For a greedy AE method whose trace
+holds draft tables (`s2moe bench --trace` records them), `redecide.simulate` re-makes the draft
+lengths, AE's admissions, the back-off and the rate guard with the other device's costs, and
+models prefetch overlap; the drafts themselves, and what verification kept, stay this device's.
+`--as-recorded` prices the recorded passes instead (docs/performance/calibration.md measures how
+close both come).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import typer
 
 from s2moe.runtime.cli.common import err, print_json, say
 from s2moe.runtime.cli.errors import cli_errors
+
+from .redecide import serve, simulate
 
 PRICED = ("ar", "verify", "draft")
 
@@ -41,26 +46,22 @@ class _NoStore:
         return self.size((layer, expert))
 
 
-def replay(run: dict, E: int, capacity: int | None, size, costs, hot=(), policy: str = "lfu") -> dict:
-    """One method's passes through a cache of ``capacity`` bytes, priced by ``costs``."""
+def new_cache(capacity: int | None, size, hot=(), policy: str = "lfu"):
+    """The other device's fast tier: the real `ExpertCache` over a store that reads nothing."""
     from s2moe.runtime.offload.cache import ExpertCache
 
-    cache = ExpertCache(_NoStore(size), capacity, policy, hot=list(hot), resident_size=size)
+    return ExpertCache(_NoStore(size), capacity, policy, hot=list(hot), resident_size=size)
+
+
+def replay(run: dict, E: int, cache, costs) -> dict:
+    """One method's passes, as recorded, through ``cache``, priced by ``costs``."""
     seconds = {"ar": 0.0, "verify": 0.0, "draft": 0.0}
     misses = hits = 0
     for phase, n_tokens, keys in run["passes"]:
         pairs = [(k // E, k % E) for k in keys]
         if phase == "draft":  # resident experts only: the draft never waits on the slow tier
             pairs = [key for key in pairs if cache.contains(*key)]
-        with cache.in_phase(phase):
-            s = cache.stats[phase]
-            before = (s.hits, s.misses)
-            cache.begin_pass(n_tokens)
-            for layer in dict.fromkeys(L for L, _ in pairs):
-                for _ in cache.stream(layer, [e for L, e in pairs if L == layer]):
-                    pass
-            cache.end_pass()
-            h, m = s.hits - before[0], s.misses - before[1]
+        h, m = serve(cache, phase, n_tokens, pairs)
         if phase == "draft":
             seconds["draft"] += costs.c_draft
         elif phase in ("ar", "verify"):
@@ -71,7 +72,7 @@ def replay(run: dict, E: int, capacity: int | None, size, costs, hot=(), policy:
             "predicted_tokens_per_s": run["tokens"] / total if total else None,
             "recorded_tokens_per_s": run["tokens"] / run["decode_seconds"] if run.get("decode_seconds") else None,
             "miss_rate": misses / (hits + misses) if hits + misses else None,
-            "seconds": {k: round(v, 6) for k, v in seconds.items()}}
+            "seconds": {k: round(v, 6) for k, v in seconds.items()}, "decisions": "as recorded"}
 
 
 def predict(
@@ -80,6 +81,8 @@ def predict(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="The traced model (default: the path the trace recorded)."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Budget on that device (default: the profile's)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    redo_off: bool = typer.Option(False, "--as-recorded", help="Price every method's passes as recorded, "
+                                  "even where the trace lets AE's decisions be re-made for this device."),
 ):
     """Predict AR and S²-MoE tokens/s on another device from a trace recorded here."""
     with cli_errors():
@@ -127,7 +130,10 @@ def predict(
             say(f"note: budget {spec} leaves room for the first {len(kept)} of the profile's {len(hot)} hot experts; "
                 "the replay pins those, as s2moe run would", "dim")
             hot = kept
-        rows = [replay(run, E, capacity, size, prof.costs, hot) for run in data["runs"]]
+        ar_run = next((r for r in data["runs"] if r["method"] == "ar" and r.get("texts")), None)
+        rows = [simulate(ar_run, run, E, new_cache(capacity, size, hot), prof.costs)
+                if run.get("drafts") and ar_run is not None and not redo_off else
+                replay(run, E, new_cache(capacity, size, hot), prof.costs) for run in data["runs"]]
         ar = next((r["predicted_tokens_per_s"] for r in rows if r["method"] == "ar"), None)
         for r in rows:
             r["predicted_speedup_vs_ar"] = r["predicted_tokens_per_s"] / ar if ar and r["predicted_tokens_per_s"] else None
@@ -137,12 +143,12 @@ def predict(
             print_json(result)
             return
         table = Table(title=f"predicted on {device} ({profile}) · budget {spec} · trace {trace}")
-        for col in ("method", "tokens", "tok/s here", "predicted tok/s", "predicted speedup", "miss rate"):
+        for col in ("method", "tokens", "tok/s here", "predicted tok/s", "predicted speedup", "miss rate", "decisions"):
             table.add_column(col, justify="right")
         for r in rows:
             table.add_row(r["method"], str(r["tokens"]), _fmt(r["recorded_tokens_per_s"]), _fmt(r["predicted_tokens_per_s"]),
                           "-" if r["predicted_speedup_vs_ar"] is None else f"{r['predicted_speedup_vs_ar']:.2f}×",
-                          "-" if r["miss_rate"] is None else f"{r['miss_rate']:.1%}")
+                          "-" if r["miss_rate"] is None else f"{r['miss_rate']:.1%}", r["decisions"])
         err.print(table)
 
 

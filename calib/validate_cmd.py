@@ -177,7 +177,8 @@ def evaluate(profile, samples: list, drift=None, drift_label: float | None = Non
     return out
 
 
-def plot(result: dict, path: str) -> None:
+def _pyplot():
+    """matplotlib's pyplot (Agg), or the one-line error: asked before the run, not after it."""
     try:
         import matplotlib
 
@@ -187,6 +188,11 @@ def plot(result: dict, path: str) -> None:
         from s2moe.runtime.errors import UsageError
 
         raise UsageError("--plot needs matplotlib: pip install 's2moe[plot]'") from None
+    return plt
+
+
+def plot(result: dict, path: str) -> None:
+    plt = _pyplot()
     pred = np.array(result["predicted"]) * 1e3
     meas = np.array(result["measured"]) * 1e3
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
@@ -229,6 +235,8 @@ def validate(
         if max_mape is not None:
             number("--max-mape", max_mape, low=0)
         number("--max-bias", max_bias, low=0)
+        if plot_path:
+            _pyplot()  # a missing matplotlib fails now, not after minutes of decoding
         prof = load_profile(profile_path)
         model_path = model_for(prof, model)
         workload = workload_for(prof, workload)

@@ -95,6 +95,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
     kv_positions = max(len(p) for p in ids) + max_tokens + 4 * settings.draft_cap + 8
     draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk))
     records, throughput = [], {}
+    ar_texts = None  # AR's text per prompt: a trace's draft tables follow it
     for name in methods:
         spec = get_method(name)
         engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded, **(engine_kw or {}),
@@ -117,8 +118,10 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
                                "drafted", "accepted"), 0)
         if trace is not None:
             trace.start(engine.cache)
+        texts = []
         for p in ids:
             result = decoder.generate(p, max_tokens)
+            texts.append(result.tokens)
             spent["draft"] += result.metrics.draft_seconds
             spent["verify"] += result.metrics.verify_seconds
             ae = [ae[0] + result.metrics.ae_tokens, ae[1] + result.metrics.ae_predicted, ae[2] + result.metrics.ae_kept]
@@ -135,7 +138,11 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
             if progress:
                 progress(name)
         if trace is not None:
-            trace.stop(name, tokens, seconds)
+            trace.stop(name, tokens, seconds, texts, settings.trace_dict(decoder.guard is not None))
+            if name == "ar":
+                ar_texts = texts
+            elif spec.admit == "utility" and params.greedy and ar_texts is not None:
+                trace.record_drafts(decoder, ids, ar_texts)  # untimed, after the run
         end = engine.cache.report()
         fetched = phase_bytes(end) - before
         breakdown = time_breakdown(start, end, spent, seconds, tokens)

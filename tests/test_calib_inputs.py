@@ -362,3 +362,14 @@ def test_fit_matches_older_samples_by_the_model_they_name(tmp_path):
     samples.write_text(json.dumps(_samples(None, "orin", model=model)))  # no fingerprint field
     r = calib("fit", str(samples), "--profile", str(prof))
     assert r.returncode == 0, r.stderr
+
+
+def test_validate_plot_without_matplotlib_fails_before_any_work(tmp_path):
+    """--plot without matplotlib is refused before the profile is even read, not after minutes of
+    decoding (at OLMoE-1B-7B's size, validate ran 12 minutes, then failed on the plot)."""
+    code = "import sys; sys.modules['matplotlib'] = None; from s2moe.calib.cli import app; app()"
+    r = subprocess.run([sys.executable, "-c", code, "validate", "--profile", str(tmp_path / "absent.json"),
+                        "--plot", str(tmp_path / "v.png")], capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "--plot needs matplotlib" in lines[0]
+    assert not (tmp_path / "v.png").exists()

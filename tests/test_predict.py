@@ -53,7 +53,7 @@ def test_trace_records_every_decode_pass(trace):
 
 
 def test_full_budget_replay_matches_an_independent_count(trace, tmp_path):
-    r = cli("s2moe.calib", "predict", "--trace", str(trace), "--profile", _profile(tmp_path), "--json")
+    r = cli("s2moe.calib", "predict", "--trace", str(trace), "--profile", _profile(tmp_path), "--json", "--as-recorded")
     assert r.returncode == 0, r.stderr
     got = {m["method"]: m for m in json.loads(r.stdout)["methods"]}
     for run in json.loads(trace.read_text())["runs"]:
@@ -70,6 +70,70 @@ def test_full_budget_replay_matches_an_independent_count(trace, tmp_path):
         assert got[run["method"]]["predicted_seconds"] == pytest.approx(seconds, rel=1e-9)
         assert got[run["method"]]["predicted_tokens_per_s"] == pytest.approx(run["tokens"] / seconds)
     assert got["ar"]["predicted_speedup_vs_ar"] == pytest.approx(1.0)
+
+
+def test_a_greedy_ae_run_records_a_draft_chain_at_every_position(trace):
+    data = json.loads(trace.read_text())
+    runs = {r["method"]: r for r in data["runs"]}
+    texts, drafts = runs["ar"]["texts"], runs["s2moe"]["drafts"]
+    assert [len(t) for t in runs["s2moe"]["texts"]] == [12, 12]
+    E, cap = data["model"]["experts_per_layer"], runs["s2moe"]["settings"]["draft_cap"]
+    assert [len(t) for t in texts] == [12, 12] and [len(d) for d in drafts] == [11, 11]
+    agree = 0
+    for text, table in zip(texts, drafts):
+        for j, (root_keys, chain, rows, kept) in enumerate(table):
+            assert len(chain) == cap and len(rows) == cap + 1 and len(root_keys) == 4 * data["model"]["top_k"]
+            assert 0 <= kept <= cap
+            assert all(0 < q <= 1 and all(0 <= k < 4 * E for k in plain + gated) for _, q, plain, gated in chain)
+            assert all(len(row) == 4 * data["model"]["top_k"] for row in rows)  # each row: top-k a layer
+            agree += chain[0][0] == text[j + 1]
+    assert agree >= 11  # the draft shares the target's weights: its first token is mostly AR's next
+
+
+def _redecided(trace, tmp_path, costs, guard=False, tamper=False):
+    data = json.loads(trace.read_text())
+    for run in data["runs"]:
+        if "settings" in run:
+            run["settings"]["rate_guard"] = guard
+        for table in run.get("drafts", ()) if tamper else ():  # verifications that reject early
+            for j, entry in enumerate(table):
+                entry[3] = min(entry[3], j % 3)
+    path = tmp_path / f"t-{len(os.listdir(tmp_path))}.json"
+    path.write_text(json.dumps(data))
+    prof = json.loads(open(_profile(tmp_path)).read())
+    prof["cost_model"].update(costs)
+    ppath = tmp_path / f"p-{len(os.listdir(tmp_path))}.json"
+    ppath.write_text(json.dumps(prof))
+    r = cli("s2moe.calib", "predict", "--trace", str(path), "--profile", str(ppath), "--json")
+    assert r.returncode == 0, r.stderr
+    return data, {m["method"]: m for m in json.loads(r.stdout)["methods"]}
+
+
+def test_predict_re_makes_ae_decisions_with_the_devices_costs(trace, tmp_path):
+    """Drafting free and an AR step dear: AE drafts the whole chain at every iteration, and
+    verification keeps what the recorded verification kept; an independent walk of the draft
+    tables gives the same count. Drafting dear: AE drafts nothing, whatever the recorded run did."""
+    data, got = _redecided(trace, tmp_path, {"t_ar_ms": 10000.0, "c_draft_ms": 0.001}, tamper=True)
+    s2, runs = got["s2moe"], {r["method"]: r for r in data["runs"]}
+    assert s2["decisions"] == "re-made" and got["ar"]["decisions"] == "as recorded"
+    verifications = drafted = 0
+    for text, table in zip(runs["ar"]["texts"], runs["s2moe"]["drafts"]):
+        out = 1
+        while out < len(text):
+            j = out - 1
+            chain, kept = table[j][1], table[j][3]
+            a = min(len(chain), kept, len(text) - 1 - j)
+            verifications, drafted, out = verifications + 1, drafted + len(chain), out + a + 1
+    assert (s2["verifications"], s2["drafted"]) == (verifications, drafted)
+    _, dear = _redecided(trace, tmp_path, {"t_ar_ms": 0.001, "c_draft_ms": 50.0})
+    assert dear["s2moe"]["drafted"] == 0
+
+
+def test_a_slow_tier_makes_ae_draft_more_than_a_fast_one(trace, tmp_path):
+    fast = {"t_ar_ms": 5.0, "t_exp_miss_ms": 0.3, "t_exp_hit_ms": 0.1}
+    slow = {"t_ar_ms": 60.0, "t_exp_miss_ms": 6.0, "t_exp_hit_ms": 0.1}
+    drafted = [_redecided(trace, tmp_path, c, guard=True)[1]["s2moe"]["drafted"] for c in (fast, slow)]
+    assert drafted[0] < drafted[1]
 
 
 def test_a_smaller_budget_misses_more(trace, tmp_path):

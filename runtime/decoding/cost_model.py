@@ -147,3 +147,34 @@ def expected_tokens(p_accept: list[float]) -> float:
         prefix *= p
         total += prefix
     return total
+
+
+class UtilityRule:
+    """AE's admission over one chain of draft tokens, the arithmetic only (no model passes), so the
+    decoder and `s2moe-calib predict`'s re-decided replay make the same decisions from the same prices.
+
+    It keeps the net gain Σ_j P_j·T_AR − θ·(ΔC_ver(j|S) + C_draft) (U_j ≥ θ is g_j ≥ 0) and the
+    prefix where it peaked. Drafting goes on until ``lookahead`` tokens past that peak: a token that
+    brings new experts may not pay alone and still open a run of tokens that reuse them and do.
+    Lookahead 1 is the paper's rule. The admitted draft is the peak's prefix (``best_n``)."""
+
+    def __init__(self, costs: CostConstants, threshold: float, lookahead: int, length: int):
+        self.costs, self.threshold, self.lookahead, self.length = costs, threshold, lookahead, length
+        self.prefix, self.gain, self.best, self.best_n = 1.0, 0.0, 0.0, 0
+
+    def ceiling(self, p_accept: float) -> float:
+        """The most the next token, or any later one, can gain: P_j·T_AR − θ·C_draft (P only falls,
+        ΔC_ver ≥ 0). Below 0 even a token that brings no new expert cannot pay."""
+        return self.prefix * p_accept * self.costs.t_ar - self.threshold * self.costs.c_draft
+
+    def add(self, n: int, p_accept: float, ceiling: float, delta: float) -> bool:
+        """Token number ``n`` (1-based) drafted at ``p_accept``, bringing ``delta`` = ΔC_ver(n|S).
+        True when drafting should stop after it: the tokens the lookahead and the draft cap leave
+        cannot climb back to the peak, so their passes would be waste."""
+        self.gain += ceiling - self.threshold * delta
+        self.prefix *= p_accept
+        if self.gain >= self.best:
+            self.best, self.best_n = self.gain, n
+            return False
+        left = min(self.lookahead - (n - self.best_n), self.length - n)
+        return left <= 0 or self.best - self.gain >= left * ceiling

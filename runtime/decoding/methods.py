@@ -136,6 +136,13 @@ class SpecSettings:
             raise UsageError(f"--draft-fallback {self.draft_fallback!r}: choose best or skip")
         return self
 
+    def trace_dict(self, guarded: bool) -> dict:
+        """What `s2moe-calib predict` needs to re-make AE's decisions (``guarded``: the run had a
+        rate guard, which needs live costs)."""
+        return {"draft_cap": self.draft_cap, "utility_threshold": self.utility_threshold,
+                "ae_lookahead": self.ae_lookahead, "backoff": self.backoff, "rate_guard": guarded,
+                "acceptance": self.acceptance, "prefetch": self.prefetch}
+
     def slots_for(self, spec: "MethodSpec") -> int | None:
         """Prefetches ``spec`` may have in flight: none where it does not draft or prefetch is off,
         else ``prefetch_slots`` (None: the engine's default)."""

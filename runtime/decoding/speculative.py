@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .cost_model import CostConstants, expected_tokens, marginal_verification_cost
+from .cost_model import CostConstants, UtilityRule, expected_tokens, marginal_verification_cost
 from .live_costs import LiveCosts
 from .prefetch_trial import trial_for
 from .rate_guard import RateGuard
@@ -276,15 +276,10 @@ class SpeculativeDecoder:
                      first: int | None = None) -> Draft:
         """Draft up to ``length`` tokens after the root, admitting each by the method's rule; the
         first would be the generated text's token number ``base``."""
-        m, s, costs = self.method, self.settings, self.costs
+        m, s = self.method, self.settings
         d = Draft()
         selected = set(selected)
-        prefix = 1.0
-        # AE's net gain of the draft so far, Σ_j P_j·T_AR − θ·(ΔC_ver(j|S) + C_draft) (U_j ≥ θ is g_j ≥ 0),
-        # and the prefix where it peaked. Drafting goes on until ``ae_lookahead`` tokens past that
-        # peak: a token that brings new experts may not pay alone and still open a run of tokens
-        # that reuse them and do. Lookahead 1 is the paper's rule.
-        gain, best, best_n = 0.0, 0.0, 0
+        rule = UtilityRule(self.costs, s.utility_threshold, s.ae_lookahead, length)  # AE's gain and its peak
         droppable = self.params.greedy or draws.coupled  # dropping drafted tokens leaves the text exact
         while len(d.tokens) < length:
             if first is not None and not d.tokens:  # a tree branch's forced first token
@@ -305,8 +300,7 @@ class SpeculativeDecoder:
             # looks at the gain: a stopping time of the drafted tokens, so speculative sampling stays exact.
             last = False
             p_acc = self._p_accept(prob)
-            # the most this token, or any later one, can gain: P_j·T_AR − θ·C_draft (P only falls, ΔC_ver ≥ 0)
-            ceiling = prefix * p_acc * costs.t_ar - s.utility_threshold * costs.c_draft
+            ceiling = rule.ceiling(p_acc)
             if m.admit == "utility" and ceiling < 0:  # even with ΔC_ver = 0 this token cannot pay
                 if droppable:
                     break  # skip its draft pass
@@ -321,18 +315,10 @@ class SpeculativeDecoder:
                 self._prefetch(plain)  # verification will need these: read them now
             if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
                 new = gated - selected
-                delta = marginal_verification_cost(new, self._state, costs)
-                gain += ceiling - s.utility_threshold * delta
+                last = rule.add(len(d.tokens) + 1, p_acc, ceiling, marginal_verification_cost(new, self._state, self.costs))
                 selected |= new
-                past = len(d.tokens) + 1 - best_n  # tokens drafted since the peak, this one included
-                if gain >= best:
-                    best, best_n = gain, len(d.tokens) + 1
-                else:
-                    # the tokens the lookahead (and the draft cap) leave cannot climb back to the peak:
-                    # their passes would be waste
-                    left = min(s.ae_lookahead - past, length - len(d.tokens) - 1)
-                    last = left <= 0 or best - gain >= left * ceiling
-            prefix *= p_acc
+            else:
+                rule.prefix *= p_acc
             d.tokens.append(token)
             d.token_probs.append(prob)
             d.p_accept.append(p_acc)
@@ -342,7 +328,7 @@ class SpeculativeDecoder:
             if need_next:
                 logits = next_logits[-1]
         if m.admit == "utility" and droppable:
-            d.truncate(best_n)
+            d.truncate(rule.best_n)
         return d
 
     # -- verification ---------------------------------------------------------------------------

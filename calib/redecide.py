@@ -1,0 +1,156 @@
+"""`predict` for an AE method: replay the routing, re-make the decisions with the target's costs.
+
+A trace's passes hold the decisions AE made with this device's costs. On a fast disk an expert
+miss is cheap next to an AR step, so AE drafts little and the rate guard holds speculation off;
+under a slow tier AE drafts far more. Priced as recorded, the default model's S²-MoE run came out
+24 % slow against a run under a 200 MB/s tier. So for an AE method whose trace carries draft tables
+(`runtime/decoding/trace.py`, version 2) the run is simulated again, iteration by iteration:
+
+- the draft length: the back-off after empty drafts and the rate guard (fed the simulated seconds);
+- AE over the recorded draft chain at that position (`UtilityRule`, the decoder's own arithmetic),
+  its p_i from an acceptance model learned from the simulated verifications, ΔC_ver from the
+  simulated cache's residency and the target profile's constants;
+- acceptance: what the recorded verification of the whole chain kept (greedy, gating included),
+  up to the admitted length; the walk then goes on along AR's text (gating may change the text);
+- verification's experts: the recorded verification of the whole chain at that position, its
+  first rows (reuse-aware gating included, with the batch the whole chain made);
+- prefetch: every expert a draft pass predicts is read while the draft runs; verification waits
+  for what the tier could not read in the draft's time (reads serial at the fitted miss cost, the
+  ones verification uses first; the prefetch slots' limit is not modelled).
+
+Prices as `predict.replay`: a verification t_base + t_token·n + t_exp_miss·misses + t_exp_hit·hits,
+a draft pass C_draft. What stays as recorded: the drafts and the gating's choices, made with this
+device's cache residency at recording time; and the text (AR's, which gating may change).
+"""
+
+from __future__ import annotations
+
+from s2moe.runtime.decoding.acceptance import AcceptanceModel
+from s2moe.runtime.decoding.cost_model import CostConstants, UtilityRule, expected_tokens
+from s2moe.runtime.decoding.rate_guard import RateGuard
+from s2moe.runtime.errors import UsageError
+
+
+def serve(cache, phase: str, n_tokens: int, pairs: list[tuple[int, int]]) -> tuple[int, int]:
+    """One pass's experts through ``cache``, layer by layer in request order: (hits, misses).
+    An expert asked twice is one request (a cache that read it twice would count its bytes twice)."""
+    pairs = list(dict.fromkeys(pairs))
+    with cache.in_phase(phase):
+        s = cache.stats[phase]
+        before = (s.hits, s.misses)
+        cache.begin_pass(n_tokens)
+        for layer in dict.fromkeys(L for L, _ in pairs):
+            for _ in cache.stream(layer, [e for L, e in pairs if L == layer]):
+                pass
+        cache.end_pass()
+        return s.hits - before[0], s.misses - before[1]
+
+
+def per_prompt(passes: list) -> list[tuple[list[int], list[list[int]]]]:
+    """An AR run's passes split by prompt: (its prefill chunks' keys, each AR step's keys in order).
+    A long prompt is prefilled in chunks: consecutive prefill passes are one prompt's."""
+    out, last = [], None
+    for phase, _, keys in passes:
+        if phase == "prefill":
+            if last == "prefill":  # (each chunk a pass: the cache sees them as the run did)
+                out[-1][0].append(keys)
+            else:
+                out.append(([keys], []))
+        elif phase == "ar" and out:
+            out[-1][1].append(keys)
+        last = phase
+    return out
+
+
+def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants) -> dict:
+    """``run`` (an AE method with draft tables) again, on ``cache``, priced and decided by ``costs``."""
+    s = run.get("settings") or {}
+    cap, theta, lookahead = int(s.get("draft_cap", 8)), float(s.get("utility_threshold", 1.0)), int(s.get("ae_lookahead", 2))
+    learned, prefetch = s.get("acceptance", "learned") == "learned", bool(s.get("prefetch", True))
+    acceptance = AcceptanceModel()
+    guard = RateGuard() if s.get("rate_guard") else None
+    pair = lambda k: (k // E, k % E)  # noqa: E731
+    seconds = {"ar": 0.0, "verify": 0.0, "draft": 0.0}
+    hits = misses = tokens = drafted_total = verifications = accepted = backoffs = 0
+    ar_steps = 0
+    fetch = max(costs.t_exp_miss - costs.t_exp_hit, 0.0)  # a read, beyond the expert's compute
+
+    def price(n_tokens: int, h: int, m: int) -> float:
+        return costs.t_base + costs.t_token * n_tokens + costs.t_exp_miss * m + costs.t_exp_hit * h
+
+    prompts = per_prompt(ar_run["passes"])
+    if len(prompts) != len(run["drafts"]) or any(len(k) != len(t) - 1 for (_, k), t in zip(prompts, ar_run["texts"])):
+        raise UsageError(f"the trace's AR run has {len(prompts)} prompts and {[len(k) for _, k in prompts]} AR steps "
+                         f"for texts of {[len(t) for t in ar_run['texts']]} tokens: it cannot steer {run['method']}'s "
+                         "replay; record it again with s2moe bench --trace, or predict --as-recorded")
+    for (prefill, ar_keys), text, table in zip(prompts, ar_run["texts"], run["drafts"]):
+        for chunk in prefill:
+            serve(cache, "prefill", 0, [pair(k) for k in chunk])
+        n_text = len(text)
+        tokens += n_text - 1
+        out, skip, wait = 1, 0, 1
+        while out < n_text:
+            j = out - 1
+            length = cap
+            if skip > 0:
+                skip, length, backoffs = skip - 1, 0, backoffs + 1
+            elif guard is not None and not guard.speculate():
+                length = 0
+            if length == 0:  # an AR step
+                h, m = serve(cache, "ar", 1, [pair(k) for k in ar_keys[j]])
+                t = price(1, h, m)
+                seconds["ar"] += t
+                hits, misses, out, ar_steps = hits + h, misses + m, out + 1, ar_steps + 1
+                if guard is not None:
+                    guard.observe(False, 1, t)
+                continue
+            root_keys, chain, verified, kept = table[j]
+            held = lambda k: cache.contains(*pair(k))  # noqa: E731
+            reading = {k for k in root_keys if not held(k)} if prefetch else set()
+            selected = set(root_keys)
+            rule = UtilityRule(costs, theta, lookahead, length)
+            passes, admitted = 1, []
+            for i, (token, q, plain, keys) in enumerate(chain[:length]):
+                p_acc = max(acceptance.p(q), q) if learned else q
+                ceiling = rule.ceiling(p_acc)
+                if ceiling < 0:
+                    break
+                passes += 1
+                new = set(keys) - selected
+                if prefetch:
+                    reading |= {k for k in plain if not held(k)}
+                delta = sum(costs.expert_cost("held" if held(k) else "in_flight" if k in reading else "missing")
+                            for k in new)
+                stop = rule.add(i + 1, p_acc, ceiling, delta)
+                selected |= new
+                admitted.append((token, q, p_acc))
+                if stop:
+                    break
+            admitted = admitted[:rule.best_n]
+            draft_s = passes * costs.c_draft
+            seconds["draft"] += draft_s
+            skip, wait = (wait, min(2 * wait, 16)) if not admitted else (0, 1)
+            a = min(len(admitted), kept, n_text - 1 - j)
+            for i in range(min(a + 1, len(admitted))):
+                acceptance.observe(admitted[i][1], i < a)
+            rows = verified[:len(admitted) + 1]
+            keys = list(dict.fromkeys(k for row in rows for k in row))
+            # a prefetched expert verification asks for costs a hit, plus what the tier had not read
+            # by the time the draft ended (reads serial, the used ones first)
+            ahead = sum(1 for k in keys if k in reading and not held(k))
+            h, m = serve(cache, "verify", len(rows), [pair(k) for k in keys])
+            t = price(len(rows), h + ahead, m - ahead) + max(ahead * fetch - draft_s, 0.0)
+            seconds["verify"] += t
+            hits, misses = hits + h, misses + m
+            drafted_total, verifications, out = drafted_total + len(admitted), verifications + 1, out + a + 1
+            accepted += a
+            if guard is not None:
+                guard.observe(True, a + 1, draft_s + t, expected_tokens([x[2] for x in admitted]))
+    total = sum(seconds.values())
+    return {"method": run["method"], "tokens": tokens, "predicted_seconds": total,
+            "predicted_tokens_per_s": tokens / total if total else None,
+            "recorded_tokens_per_s": run["tokens"] / run["decode_seconds"] if run.get("decode_seconds") else None,
+            "miss_rate": misses / (hits + misses) if hits + misses else None,
+            "seconds": {k: round(v, 6) for k, v in seconds.items()}, "decisions": "re-made",
+            "verifications": verifications, "drafted": drafted_total, "accepted": accepted, "ar_steps": ar_steps,
+            "backoff_steps": backoffs, "rate_guard": guard.to_dict() if guard is not None else None}
