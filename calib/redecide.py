@@ -67,6 +67,7 @@ def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants) -> di
     s = run.get("settings") or {}
     cap, theta, lookahead = int(s.get("draft_cap", 8)), float(s.get("utility_threshold", 1.0)), int(s.get("ae_lookahead", 2))
     learned, prefetch = s.get("acceptance", "learned") == "learned", bool(s.get("prefetch", True))
+    backoff = bool(s.get("backoff", True))
     acceptance = AcceptanceModel()
     guard = RateGuard() if s.get("rate_guard") else None
     pair = lambda k: (k // E, k % E)  # noqa: E731
@@ -129,7 +130,8 @@ def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants) -> di
             admitted = admitted[:rule.best_n]
             draft_s = passes * costs.c_draft
             seconds["draft"] += draft_s
-            skip, wait = (wait, min(2 * wait, 16)) if not admitted else (0, 1)
+            if backoff:  # after a draft that admitted nothing, AR steps for a while (SpecSettings)
+                skip, wait = (wait, min(2 * wait, 16)) if not admitted else (0, 1)
             a = min(len(admitted), kept, n_text - 1 - j)
             for i in range(min(a + 1, len(admitted))):
                 acceptance.observe(admitted[i][1], i < a)
