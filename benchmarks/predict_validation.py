@@ -45,30 +45,50 @@ def run(a) -> None:
     call(["s2moe-calib", "profile", "--device", "cpu", *model, "--budget", a.budgets[0], *emulate,
           "--samples", "80", "--rounds", "5", "--n-prompts", str(a.profile_prompts), "--out", o("emu-profile.json")],
          o("profile.log"))
-    for b in a.budgets:
-        for name, extra in ((f"predict-{b}.json", []), (f"recorded-{b}.json", ["--as-recorded"])):
+    def predict(trace: str, b: str, prefix: str = "") -> None:  # re-made, and priced as recorded
+        for name, extra in ((f"{prefix}predict-{b}.json", []), (f"{prefix}recorded-{b}.json", ["--as-recorded"])):
             with open(o(name), "w") as f:
-                subprocess.run(["s2moe-calib", "predict", "--trace", o(f"trace-{b}.json"), "--profile",
-                                o("emu-profile.json"), "--budget", b, "--json", *extra], stdout=f, check=True)
+                subprocess.run(["s2moe-calib", "predict", "--trace", o(trace), "--profile", o("emu-profile.json"),
+                                "--budget", b, "--json", *extra], stdout=f, check=True)
+
+    for b in a.budgets:
+        predict(f"trace-{b}.json", b)
         call(bench + ["--methods", "ar,s2moe", "--budget", b, "--profile", o("emu-profile.json"), *emulate,
                       "--json", o(f"emu-{b}.json")], o(f"emu-{b}.log"))
     # a trace with every expert resident (a workstation's), predicted at each budget: here the
     # recorded decisions are furthest from the capped device's, so re-making them matters most
     call(bench + ["--methods", "ar,s2moe", "--trace", o("trace-full.json"), "--json", o("real-full.json")], o("real-full.log"))
     for b in a.budgets:
-        for name, extra in ((f"full-predict-{b}.json", []), (f"full-recorded-{b}.json", ["--as-recorded"])):
-            with open(o(name), "w") as f:
-                subprocess.run(["s2moe-calib", "predict", "--trace", o("trace-full.json"), "--profile",
-                                o("emu-profile.json"), "--budget", b, "--json", *extra], stdout=f, check=True)
+        predict("trace-full.json", b, "full-")
     b = a.budgets[0]
     call(bench + ["--methods", "s2moe", "--budget", b, "--profile", o("emu-profile.json"), *emulate, "--no-prefetch",
                   "--json", o(f"emu-noprefetch-{b}.json")], o(f"emu-noprefetch-{b}.log"))
 
 
 def render(folder: str) -> None:
-    def measured(path):
-        d = json.load(open(path))
-        return {r["name"]: r for r in d["records"]}
+    def load(name):
+        path = os.path.join(folder, name)
+        return json.load(open(path)) if os.path.exists(path) else None
+
+    def rows(b: str, prefix: str, label: str) -> None:
+        """One row a method: the re-made prediction and the one priced as recorded, against the
+        emulated run; the acceptance lengths where the trace's run is at the same budget."""
+        pred, recorded = load(f"{prefix}predict-{b}.json"), load(f"{prefix}recorded-{b}.json")
+        if pred is None:
+            return
+        recorded = {m["method"]: m for m in recorded["methods"]} if recorded else {}
+        emu = {r["name"]: r for r in load(f"emu-{b}.json")["records"]}
+        real = {r["name"]: r for r in load(f"real-{b}.json")["records"]} if not prefix else None
+        agg = {k: r["extra"]["decode_tokens_per_s_aggregate"] for k, r in emu.items()}
+        for p in pred["methods"]:
+            name, got = p["method"], agg[p["method"]]
+            r = recorded.get(name)
+            as_recorded = f"{(r['predicted_tokens_per_s'] / got - 1) * 100:+.1f} %" if r else "-"
+            acc = (f"{real[name]['extra']['acceptance_length']:.2f} → {emu[name]['extra']['acceptance_length']:.2f}"
+                   if real else "–")
+            print(f"| {label} | {name} | {p['predicted_tokens_per_s']:.2f} | {got:.2f} | "
+                  f"{(p['predicted_tokens_per_s'] / got - 1) * 100:+.1f} % | {as_recorded} | "
+                  f"{p['predicted_speedup_vs_ar']:.2f}× | {got / agg['ar']:.2f}× | {acc} |")
 
     print("| budget | method | predicted tok/s | measured tok/s | error | as recorded: error | predicted speedup |"
           " measured speedup | acceptance length (trace → emulated run) |")
@@ -76,36 +96,12 @@ def render(folder: str) -> None:
     budgets = sorted({f.split("-", 1)[1].removesuffix(".json") for f in os.listdir(folder) if f.startswith("predict-")},
                      key=float, reverse=True)
     for b in budgets:
-        pred = {m["method"]: m for m in json.load(open(os.path.join(folder, f"predict-{b}.json")))["methods"]}
-        path = os.path.join(folder, f"recorded-{b}.json")
-        recorded = {m["method"]: m for m in json.load(open(path))["methods"]} if os.path.exists(path) else {}
-        emu, real = measured(os.path.join(folder, f"emu-{b}.json")), measured(os.path.join(folder, f"real-{b}.json"))
-        agg = {k: r["extra"]["decode_tokens_per_s_aggregate"] for k, r in emu.items()}
-        for name, p in pred.items():
-            got = agg[name]
-            acc = f"{real[name]['extra']['acceptance_length']:.2f} → {emu[name]['extra']['acceptance_length']:.2f}"
-            r = recorded.get(name)
-            as_recorded = f"{(r['predicted_tokens_per_s'] / got - 1) * 100:+.1f} %" if r else "-"
-            print(f"| {b} | {name} | {p['predicted_tokens_per_s']:.2f} | {got:.2f} | "
-                  f"{(p['predicted_tokens_per_s'] / got - 1) * 100:+.1f} % | {as_recorded} | {p['predicted_speedup_vs_ar']:.2f}× | "
-                  f"{got / agg['ar']:.2f}× | {acc} |")
-    for b in budgets:
-        path = os.path.join(folder, f"full-predict-{b}.json")
-        if not os.path.exists(path):
-            continue
-        pred = {m["method"]: m for m in json.load(open(path))["methods"]}
-        recorded = {m["method"]: m for m in json.load(open(os.path.join(folder, f"full-recorded-{b}.json")))["methods"]}
-        emu = measured(os.path.join(folder, f"emu-{b}.json"))
-        agg = {k: r["extra"]["decode_tokens_per_s_aggregate"] for k, r in emu.items()}
-        for name, p in pred.items():
-            got, r = agg[name], recorded[name]
-            print(f"| {b}, from the full-budget trace | {name} | {p['predicted_tokens_per_s']:.2f} | {got:.2f} | "
-                  f"{(p['predicted_tokens_per_s'] / got - 1) * 100:+.1f} % | "
-                  f"{(r['predicted_tokens_per_s'] / got - 1) * 100:+.1f} % | {p['predicted_speedup_vs_ar']:.2f}× | "
-                  f"{got / agg['ar']:.2f}× | – |")
+        rows(b, "", b)
+    for b in budgets:  # (a trace with every expert resident)
+        rows(b, "full-", f"{b}, from the full-budget trace")
     for f in sorted(os.listdir(folder)):
         if f.startswith("emu-noprefetch-") and f.endswith(".json"):
-            r = measured(os.path.join(folder, f))["s2moe"]
+            r = {x["name"]: x for x in load(f)["records"]}["s2moe"]
             print(f"\nS²-MoE without prefetch at {r['params']['budget']}: "
                   f"{r['extra']['decode_tokens_per_s_aggregate']:.2f} tok/s measured")
 

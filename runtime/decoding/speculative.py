@@ -317,8 +317,6 @@ class SpeculativeDecoder:
                 new = gated - selected
                 last = rule.add(len(d.tokens) + 1, p_acc, ceiling, marginal_verification_cost(new, self._state, self.costs))
                 selected |= new
-            else:
-                rule.prefix *= p_acc
             d.tokens.append(token)
             d.token_probs.append(prob)
             d.p_accept.append(p_acc)
