@@ -1,10 +1,10 @@
-"""The `s2moe` command: run, info, convert, bench, serve, vocab. One module per command; errors via `errors.cli_errors`."""
+"""The `s2moe` command: run, chat, info, convert, bench, serve, vocab. One module per command; errors via `errors.cli_errors`."""
 
 from __future__ import annotations
 
 import typer
 
-from . import bench, convert, info, run, serve, vocab
+from . import bench, chat, convert, info, run, serve, vocab
 
 app = typer.Typer(
     name="s2moe",
@@ -39,6 +39,7 @@ def _main(version: bool = version_option("s2moe")) -> None:
 
 
 app.command("run")(run.run)
+app.command("chat")(chat.chat)
 app.command("info")(info.info)
 app.command("convert")(convert.convert)
 app.command("bench")(bench.bench)

@@ -24,7 +24,8 @@ class ChatTemplate:
             try:
                 from jinja2.sandbox import ImmutableSandboxedEnvironment
             except ImportError:
-                raise UsageError("a chat template needs jinja2: pip install 's2moe[serve]'") from None
+                raise UsageError(f"{origin}: the chat template needs jinja2: pip install -e \".[serve]\" (or pip install "
+                                 "jinja2)") from None
             from jinja2 import TemplateError
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
