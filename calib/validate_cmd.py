@@ -321,6 +321,10 @@ def run_validation(prof, loaded, tok, workload, n_prompts: int, tokens: int, rou
     result = evaluate(prof, samples, scale if probe["drift"] else None, probe["ratio"])
     single = evaluate(prof, single_shot_samples(passes))
     summary = {k: v for k, v in result.items() if k not in ("predicted", "measured")}
+    # every pass as the cost model saw it, so a plot or a later fit needs no rerun
+    summary["passes"] = [{"n_tokens": s["n_tokens"], "n_missing": s["n_missing"], "n_resident": s["n_resident"],
+                          "measured_ms": round(m * 1e3, 4), "predicted_ms": round(q * 1e3, 4)}
+                         for s, m, q in zip(samples, result["measured"], result["predicted"])]
     timing = {"estimator": "fastest of interleaved replays", **spread(passes)}
     bar = bars.within_noise(timing)
     summary.update(passed=meets(result, bar), bars=bar, min_r2=bar["r2"], max_mape_percent=bar["mape_percent"],

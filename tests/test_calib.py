@@ -207,6 +207,13 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     assert recorded["model"] == os.path.abspath(calib_model) and recorded["r2"] == res["r2"]
     assert {"r2", "mape_percent", "n", "single_shot"} <= set(res) and res["n"] >= 3
     assert res["timing"]["rounds"] == 3  # every pass timed by three interleaved replays
+    # the points behind R²: one per pass, and R² recomputed from them is the one reported
+    points = res["passes"]
+    assert len(points) == res["n"] and all(p["n_tokens"] >= 1 for p in points)
+    meas = np.array([p["measured_ms"] for p in points])
+    pred = np.array([p["predicted_ms"] for p in points])
+    r2 = 1 - ((meas - pred) ** 2).sum() / ((meas - meas.mean()) ** 2).sum()
+    assert abs(r2 - res["r2"]) < 1e-3 * max(1.0, abs(res["r2"]))
     strict = calib("validate", "--profile", str(out), "-m", calib_model, "-w", WORKLOAD, "--n-prompts", "2",
                    "--max-tokens", "8", "--min-r2", "1.01")
     assert strict.returncode == 1
