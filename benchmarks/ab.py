@@ -1,4 +1,8 @@
-"""Two settings of `s2moe bench` on the same prompts, taking turns: the paired ratio B / A.
+"""Backs docs/performance/s2moe-prefetch.md, "Prefetch on every iteration by default" (and the other
+A/Bs the notes quote, e.g. docs/performance/live-costs.md, "Live decisions against a profile held
+still"): two settings or revisions of s2moe, taking turns. A user-facing tool as well.
+
+Two settings of `s2moe bench` on the same prompts, taking turns: the paired ratio B / A.
 
     python benchmarks/ab.py --label prefetch --a=--no-prefetch --b= --reps 5 --out docs/results/prefetch \
         -- --model WIDENED --methods s2moe --budget 0.25 -w humaneval --n-prompts 3
@@ -54,7 +58,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import Record, machine_info, rounds, write_outputs  # noqa: E402
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,11 +142,10 @@ def main() -> None:
     try:
         code = {name: copy_of(rev, os.path.join(scratch, name)) if rev else None
                 for name, rev in ((args.a_name, args.a_rev), (args.b_name, args.b_rev))}
-        for rep in range(args.reps):
-            for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
-                runs[name].append((run_once if args.run else bench_once)(common, sides[name], code[name]))
-                print(f"rep {rep + 1} {name}: " + ", ".join(f"{m} {tok_s(r):.2f} tok/s"
-                                                            for m, r in runs[name][-1].items()), file=sys.stderr, flush=True)
+        for rep, name in rounds(sides, args.reps, reverse=True):
+            runs[name].append((run_once if args.run else bench_once)(common, sides[name], code[name]))
+            print(f"rep {rep + 1} {name}: " + ", ".join(f"{m} {tok_s(r):.2f} tok/s"
+                                                        for m, r in runs[name][-1].items()), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     a, b = args.a_name, args.b_name

@@ -1,4 +1,7 @@
-"""Calibration figures for docs/performance.md: profile + validate the default model on this
+"""Backs docs/performance/calibration.md, "Three in a row" (`docs/results/calibration-probe/`) and the
+profiles under `docs/results/profiles/`: profile then validate, as a user runs them.
+
+Calibration figures for docs/performance/calibration.md: profile + validate the default model on this
 machine at several budgets, and check that an emulated slow tier is recovered.
 
     python benchmarks/calibration.py [--budgets 1.0,0.25,0.1] [--out docs/results/calibration.json]
@@ -22,7 +25,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from s2moe.runtime.records import git_commit, machine_info  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
 
 
 def calib(*args) -> subprocess.CompletedProcess:
@@ -112,9 +115,8 @@ def table(rows: list, name: str) -> None:
 
 
 def _write(args, rows: list, emulated: dict | None) -> None:
-    with open(os.path.join(ROOT, args.out), "w") as f:
-        json.dump({"machine": machine_info(), "commit": git_commit(), "model": args.model or "embedded default",
-                   "budgets": rows, "emulated": emulated}, f, indent=2)
+    write_json(os.path.join(ROOT, args.out), {"model": args.model or "embedded default", "budgets": rows,
+                                              "emulated": emulated})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""Does the disk give more bandwidth to reads in flight together? (O_DIRECT, expert-sized reads.)
+"""Backs docs/performance/s2moe-targets.md, "Where a token's time goes at the default gating, and the
+ceiling of full overlap": the disk's read rate with 1, 2 and 4 expert-sized reads in flight
+(`docs/results/gating-strength/disk-parallel.json`, the rate `time_split.py --gb-s` takes).
+
+Does the disk give more bandwidth to reads in flight together? (O_DIRECT, expert-sized reads.)
 
     python benchmarks/disk_parallel.py FILE [--mib 3] [--reads 48] [--reps 5]
 
@@ -21,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import Record, machine_info, write_outputs  # noqa: E402
 
 IN_FLIGHT = (1, 2, 4)
 

@@ -1,4 +1,8 @@
-"""What reuse-aware gating buys and what it costs: S²-MoE's speed over AR for each gating setting,
+"""Backs docs/performance/s2moe-gating.md, "The price of a stronger bias" (and the speed records behind
+docs/performance/s2moe-targets.md, "Where a token's time goes at the default gating"): S²-MoE over AR
+for each gating strength, beside the quality it costs.
+
+What reuse-aware gating buys and what it costs: S²-MoE's speed over AR for each gating setting,
 taking turns in one run, beside the quality `benchmarks/quality.py` measured for the same setting.
 
     python benchmarks/gating_price.py --model WIDENED --budgets 0.25 --reps 3 \
@@ -24,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import Record, machine_info, rounds, write_outputs  # noqa: E402
 
 # name (as quality.py names it): the s2moe bench flags that give it
 SETTINGS = {
@@ -62,22 +66,21 @@ def main() -> None:
         out = os.path.join(tmp, "bench.json")
         for budget in args.budgets.split(","):
             for workload in args.workloads.split(","):
-                for rep in range(args.reps):
-                    for name in (names if rep % 2 == 0 else names[::-1]):
-                        print(f"budget {budget} · {workload} · repetition {rep + 1} · {name}", file=sys.stderr)
-                        cmd = ["s2moe", "bench", "--methods", "ar,s2moe", "--model", args.model, "-b", budget,
-                               "-w", workload, "--n-prompts", str(args.n_prompts), "--json", out, *SETTINGS[name], *extra]
-                        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-                        got = json.load(open(out))["records"]
-                        ar, s2 = got[0], got[1]
-                        for r in got:
-                            records.append(Record(r["benchmark"], r["name"], r["unit"], r["samples"],
-                                                  params={**r["params"], "setting": name, "repetition": rep + 1,
-                                                          "extra_flags": extra},
-                                                  extra=r["extra"]))
-                        rows.setdefault((budget, workload, name), []).append(
-                            (s2["median"] / ar["median"], s2["extra"]["bytes_fetched_per_token"] / 1e6,
-                             s2["extra"]["acceptance_length"]))
+                for rep, name in rounds(names, args.reps, reverse=True):
+                    print(f"budget {budget} · {workload} · repetition {rep + 1} · {name}", file=sys.stderr)
+                    cmd = ["s2moe", "bench", "--methods", "ar,s2moe", "--model", args.model, "-b", budget,
+                           "-w", workload, "--n-prompts", str(args.n_prompts), "--json", out, *SETTINGS[name], *extra]
+                    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                    got = json.load(open(out))["records"]
+                    ar, s2 = got[0], got[1]
+                    for r in got:
+                        records.append(Record(r["benchmark"], r["name"], r["unit"], r["samples"],
+                                              params={**r["params"], "setting": name, "repetition": rep + 1,
+                                                      "extra_flags": extra},
+                                              extra=r["extra"]))
+                    rows.setdefault((budget, workload, name), []).append(
+                        (s2["median"] / ar["median"], s2["extra"]["bytes_fetched_per_token"] / 1e6,
+                         s2["extra"]["acceptance_length"]))
     write_outputs(records, machine_info(), args.out, "reuse-aware gating: speed and quality")
     print("| budget | workload | setting | S²-MoE / AR (each repetition) | MB read per token | acceptance length "
           "| PPL ratio | top-1 agreement |")

@@ -1,4 +1,7 @@
-"""The one prepared GPU check: run the GPU tests, then time the csrc kernels against NumPy.
+"""Backs docs/performance.md, the machine note on the GPU ("prepared but has not run") and "Device work
+per decode token": GPU tests, kernels against NumPy, AR and S²-MoE tok/s per backend and tier.
+
+The one prepared GPU check: run the GPU tests, then time the csrc kernels against NumPy.
 
     pip install -e ".[cuda]" && python benchmarks/gpu.py [--out docs/results/gpu]
 
@@ -26,7 +29,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import Record, machine_info, write_outputs  # noqa: E402
 
 
 def decode_records() -> list:

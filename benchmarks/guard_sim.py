@@ -1,4 +1,7 @@
-"""The rate guard on a simulated clock: how much slower a guarded run is than the better of its two
+"""Backs docs/performance/s2moe-ae.md, "A probe judged on what AE expected, not on what one iteration
+kept" (and tests/test_rate_guard.py, which drives its guards here): the rate guard on a simulated clock.
+
+The rate guard on a simulated clock: how much slower a guarded run is than the better of its two
 ways of stepping, where speculation's speed against AR's is known (runtime/decoding/rate_guard.py).
 
     python benchmarks/guard_sim.py [--seeds 300] [--tokens 378] [--out docs/results/guard-expected/sim]
@@ -21,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from s2moe.runtime.decoding.rate_guard import RateGuard  # noqa: E402
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import Record, machine_info, write_outputs  # noqa: E402
 
 RATIOS = (0.75, 0.87, 1.0, 1.15, 1.4)
 TELLS = (("realized", None), ("expected", 1.0), ("expected x0.87", 0.87), ("expected x1.15", 1.15))

@@ -1,4 +1,7 @@
-"""Does llama.cpp read our GGUF as we do? The embedded default model, exported by `s2moe convert`,
+"""Backs docs/performance/peer.md, "Interop: llama.cpp reads our GGUF": the default model's export
+decodes the same greedy text in llama.cpp and in s2moe.
+
+Does llama.cpp read our GGUF as we do? The embedded default model, exported by `s2moe convert`,
 greedy-decoded by llama.cpp's `llama-completion` and by `s2moe run --temperature 0`.
 
     python benchmarks/peer.py --build                     # once: builds llama-completion too
@@ -23,7 +26,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from s2moe.runtime.records import git_commit, machine_info  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
 
 PROMPTS = ("def fibonacci(n):", "import os", "class Stack:", "x = a + b")
 TRAILER = "\n\n"  # llama-completion's own output after the generation
@@ -75,13 +78,8 @@ def main() -> None:
     for r in rows:
         print(f"{'equal' if r['equal'] else 'DIFFERENT':9} {r['prompt']!r}: {r['s2moe']!r}"
               + ("" if r["equal"] else f" vs {r['llama.cpp']!r}"), file=sys.stderr)
-    record = {"machine": machine_info(), "commit": git_commit(), "type": args.type, "tokens": args.tokens, "rows": rows,
-              "equal": sum(r["equal"] for r in rows)}
-    tmp_out = args.out + ".tmp"
-    with open(tmp_out, "w") as f:
-        json.dump(record, f, indent=1)
-    os.chmod(tmp_out, 0o644)
-    os.replace(tmp_out, args.out)
+    record = {"type": args.type, "tokens": args.tokens, "rows": rows, "equal": sum(r["equal"] for r in rows)}
+    write_json(args.out, record, indent=1)
     print(f"{record['equal']}/{len(rows)} prompts equal; wrote {args.out}", file=sys.stderr)
     sys.exit(0 if record["equal"] == len(rows) else 1)
 

@@ -1,4 +1,9 @@
-"""llama.cpp as the outside reference: AR decode speed of llama.cpp and s2moe on the same GGUF.
+"""Backs docs/performance/peer.md, "At OLMoE-1B-7B's size, every common type" and the page's other
+llama.cpp sections (GPT-OSS-20B, DeepSeek-V2-Lite, prefill, first token, the capped OLMoE-1B-7B and
+Qwen3-30B-A3B runs, "llama.cpp as the peer"): s2moe vs llama.cpp on the same GGUF file, uncapped and
+under a memory cgroup.
+
+llama.cpp as the outside reference: AR decode speed of llama.cpp and s2moe on the same GGUF.
 
     python benchmarks/peer.py --build                 # once: llama-bench from the llama-cpp-python sdist
     python benchmarks/peer.py [--reps 5] [--tokens 64] [--types F16,Q8_0]
@@ -32,7 +37,7 @@ decode PROMPT greedily, llama.cpp by llama-completion (its eval-time tokens/s, a
 as AR and as S²-MoE; each record keeps the text, and the table says whether it is llama.cpp's.
 --share takes a list (0.25,0.10): one capped setting per share.
 
-Results: a table on stderr, JSON and CSV in docs/results/peer.*; docs/performance.md quotes them.
+Results: a table on stderr, JSON and CSV in docs/results/peer.* (--out); docs/performance/peer.md quotes them.
 """
 
 from __future__ import annotations
@@ -48,9 +53,9 @@ import sys
 import tarfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import cgroups  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import Record, machine_info, rounds, write_outputs  # noqa: E402
 from benchmarks.synthetic import write_olmoe  # noqa: E402
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
 
 CACHE = os.path.expanduser("~/.cache/s2moe-peer")
 PROMPT = "def fibonacci(n):"
@@ -145,9 +150,9 @@ def first_token_seconds(cmd: list[str], path: str) -> tuple[float | None, str]:
     """Wall seconds from launch to exit of a one-token run, the file's pages dropped first."""
     import time
 
-    cgroups.drop_page_cache(path)
+    common.drop_page_cache(path)
     start = time.perf_counter()
-    r = cgroups.run_in_cgroup(cmd, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    r = common.run_in_cgroup(cmd, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
     seconds = time.perf_counter() - start
     return (seconds, "ok") if r.returncode == 0 else (None, f"exit {r.returncode}")
 
@@ -221,8 +226,8 @@ def run(cmd: list[str], limit: int | None, drop: str | None, texts: list | None 
     """(tokens/s or None, cgroup peak bytes, outcome): decode's, or prefill's for a run of one
     token (s2moe) or a pp test (llama-bench). ``texts``: the decoded text is appended to it."""
     if drop:
-        cgroups.drop_page_cache(drop)
-    r = cgroups.run_in_cgroup(cmd, limit_bytes=limit, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        common.drop_page_cache(drop)
+    r = common.run_in_cgroup(cmd, limit_bytes=limit, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
     if r.oom_killed:
         return None, r.peak_bytes, "OOM-killed"
     if r.returncode != 0:
@@ -258,7 +263,7 @@ def main() -> None:
     ap.add_argument("--file", help="a GGUF with trained weights: greedy text from both programs (see above)")
     ap.add_argument("--out", default="docs/results/peer")
     args = ap.parse_args()
-    if cgroups.available() is None:
+    if common.available() is None:
         sys.exit("error: memory cgroups are not writable here; the capped setting needs them")
     binary = build(args.cache) if args.build else bench_binary(args.cache)
     types = [t.strip().upper() for t in args.types.split(",")]
@@ -296,12 +301,11 @@ def main() -> None:
             cmds = first_token_cmds(args.cache, path, args.threads)
             seconds = {n: [] for n in cmds}
             outcomes = {n: [] for n in cmds}
-            for _ in range(args.reps):
-                for name, cmd in cmds.items():
-                    sec, outcome = first_token_seconds(cmd, path)
-                    outcomes[name].append(outcome)
-                    if sec is not None:
-                        seconds[name].append(sec)
+            for _, name in rounds(cmds, args.reps):
+                sec, outcome = first_token_seconds(cmds[name], path)
+                outcomes[name].append(outcome)
+                if sec is not None:
+                    seconds[name].append(sec)
             for name in cmds:
                 records.append(Record("peer", f"{kind} first-token {name}", "s", seconds[name],
                                       params={"type": kind, "setting": "first-token", "program": name,
@@ -312,12 +316,11 @@ def main() -> None:
                 cmds = prefill_cmds(binary, path, args.cache, n, args.threads)
                 samples = {name: [] for name in cmds}
                 outcomes = {name: [] for name in cmds}
-                for _ in range(args.reps):
-                    for name, cmd in cmds.items():
-                        tps, _, outcome = run(cmd, None, None)
-                        outcomes[name].append(outcome)
-                        if tps is not None:
-                            samples[name].append(tps)
+                for _, name in rounds(cmds, args.reps):
+                    tps, _, outcome = run(cmds[name], None, None)
+                    outcomes[name].append(outcome)
+                    if tps is not None:
+                        samples[name].append(tps)
                 for name in cmds:
                     records.append(Record("peer", f"{kind} pp{n} {name}", "tok/s", samples[name],
                                           params={"type": kind, "setting": f"pp{n}", "program": name,
@@ -340,14 +343,13 @@ def main() -> None:
             peaks = {n: [] for n in cmds}
             outcomes = {n: [] for n in cmds}
             texts = {n: [] for n in cmds}
-            for _ in range(args.reps):  # alternating: every program once per round
-                for name, cmd in cmds.items():
-                    tps, peak, outcome = run(cmd, limits[name] if capped else None, path if capped else None,
-                                             texts[name])
-                    outcomes[name].append(outcome)
-                    peaks[name].append(peak)
-                    if tps is not None:
-                        samples[name].append(tps)
+            for _, name in rounds(cmds, args.reps):  # alternating: every program once per round
+                tps, peak, outcome = run(cmds[name], limits[name] if capped else None, path if capped else None,
+                                         texts[name])
+                outcomes[name].append(outcome)
+                peaks[name].append(peak)
+                if tps is not None:
+                    samples[name].append(tps)
             reference = next((t[0] for n, t in texts.items() if n.startswith("llama.cpp") and t), None)
             for name in cmds:
                 text = {"texts": texts[name][:1], "same_text_as_llama_cpp":

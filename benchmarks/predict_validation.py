@@ -1,4 +1,8 @@
-"""Is `s2moe-calib predict` right? Predict a device from a trace recorded here, then run that device.
+"""Backs docs/performance/calibration.md, "AE's decisions re-made for the other device" and "At
+OLMoE-1B-7B's size" (`docs/results/predict-default/`, `docs/results/predict-olmoe-widened/`): is
+`s2moe-calib predict` right?
+
+Is `s2moe-calib predict` right? Predict a device from a trace recorded here, then run that device.
 
     python benchmarks/predict_validation.py [--model /path/to/widened] [--out docs/results/predict]
     python benchmarks/predict_validation.py --render docs/results/predict   # the table only

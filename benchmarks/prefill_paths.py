@@ -1,4 +1,7 @@
-"""What each step of the prefill work gave: one 512-token prompt through the model, the paths
+"""Backs docs/performance/peer.md, "Prefill at OLMoE-1B-7B's size" (AMX tiles, `docs/results/prefill-amx.*`):
+prefill tokens/s of each path through the model, the paths taking turns in one process.
+
+What each step of the prefill work gave: one 512-token prompt through the model, the paths
 taking turns in one process (this machine drifts by tens of percent within minutes).
 
     python benchmarks/prefill_paths.py --model ~/.cache/s2moe-peer/olmoe-1b-7b-q4_k_m.gguf
@@ -8,7 +11,7 @@ rows x tokens in 64-token passes, the tiles in one 512-token pass (what `run` ta
 expert is resident), each quantising an expert's inputs in every pool chunk, and the last with
 them quantised once per phase, and that with the K-quant rows on AMX tiles (the default where the
 CPU has AMX-INT8). Every expert is resident; random prompt tokens. Results: a table, and JSON /
-CSV in docs/results/prefill-paths.*; docs/performance/peer.md ("Prefill") cites them.
+CSV at --out (the AMX run: docs/results/prefill-amx.*); docs/performance/peer.md ("Prefill") cites them.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import Record, machine_info, rounds, write_outputs  # noqa: E402
 
 # (AVX-512 tiles, prompt chunk, experts' inputs quantised once per phase, AMX tiles)
 PATHS = {"avx2 rows, 64-token passes": (0, 64, 0, 0), "avx512 tiles, 64-token passes": (1, 64, 0, 0),
@@ -49,15 +52,15 @@ def main() -> None:
     model.forward(tokens[:8], model.new_cache(a.tokens + 8), logits="last", record=False)  # warm
     samples = {name: [] for name in paths}
     try:
-        for _ in range(a.reps):
-            for name, (tiles, chunk, once, amx) in paths.items():
-                _cpu.use_avx512(tiles)
-                _cpu.act_once(once)
-                _cpu.use_amx(amx)
-                model.prefill_chunk = chunk
-                start = time.perf_counter()
-                model.forward(tokens, model.new_cache(a.tokens + 8), logits="last", record=False)
-                samples[name].append(a.tokens / (time.perf_counter() - start))
+        for _, name in rounds(paths, a.reps):
+            tiles, chunk, once, amx = paths[name]
+            _cpu.use_avx512(tiles)
+            _cpu.act_once(once)
+            _cpu.use_amx(amx)
+            model.prefill_chunk = chunk
+            start = time.perf_counter()
+            model.forward(tokens, model.new_cache(a.tokens + 8), logits="last", record=False)
+            samples[name].append(a.tokens / (time.perf_counter() - start))
     finally:
         _cpu.use_avx512(1)
         _cpu.act_once(1)

@@ -1,4 +1,8 @@
-"""What reuse-aware gating costs in quality: the paper's Table 2 measures for every non-lossless
+"""Backs docs/performance/s2moe-gating.md, "Residency-aware gating by default" (and "The price of a
+stronger bias"; docs/performance/s2moe-real-size.md, "A stronger bias"): reuse-aware gating's PPL
+ratio and top-1 agreement against the unmodified target, with bootstrap intervals.
+
+What reuse-aware gating costs in quality: the paper's Table 2 measures for every non-lossless
 setting, against the unmodified target, on held-out text.
 
     python benchmarks/quality.py [--model DIR] [--budget 0.25] [--windows 12] [--batch 5]
@@ -19,7 +23,7 @@ with it, window by window: the quotient of the two PPL ratios and the difference
 agreements, with their intervals (``vs_paper``), which says whether a variant costs more than the
 paper's gating does.
 
-Results: a table on stderr, JSON/CSV in docs/results/quality.*.
+Results: a table on stderr, JSON/CSV at --out (e.g. docs/results/quality-budgets/, gating-strength/quality-b5.*).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import Record, machine_info, write_outputs  # noqa: E402
 
 VARIANTS = [("paper", {}), ("code", {}), ("resident ρ=0.25", {"residency": 0.25}),
             ("resident ρ=0.5", {"residency": 0.5}), ("resident ρ=1", {"residency": 1.0}),

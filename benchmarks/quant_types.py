@@ -1,4 +1,5 @@
-"""Every stored type's row products at decode: weights per second, one matrix after another.
+"""Backs docs/performance/quant-types.md, "Speed per type": every stored type's row products at decode,
+weights per second, one matrix after another.
 
     python benchmarks/quant_types.py [--threads 2] [--tokens 1,8] [--reps 7]
 
@@ -20,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.real_models import _blocks  # noqa: E402
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import Record, machine_info, rounds, write_outputs  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q3_K", "Q2_K", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1")
 
@@ -46,12 +47,11 @@ def main() -> None:
         x = rng.standard_normal((T, K)).astype(np.float32)
         y = np.empty((T, N), np.float32)
         samples = {t: [] for t in types}
-        for _ in range(a.reps):
-            for t in types:
-                start = time.perf_counter()
-                for W in mats[t]:
-                    _cpu.matmul(W, GGML_TYPE[t], N, K, x, y, None)
-                samples[t].append(N * K * M / (time.perf_counter() - start) / 1e9)
+        for _, t in rounds(types, a.reps):
+            start = time.perf_counter()
+            for W in mats[t]:
+                _cpu.matmul(W, GGML_TYPE[t], N, K, x, y, None)
+            samples[t].append(N * K * M / (time.perf_counter() - start) / 1e9)
         for t in types:
             records.append(Record("quant-types", f"{t} T={T}", "Gweights/s", samples[t],
                                   params={"type": t, "tokens": T, "threads": a.threads, "rows": N, "cols": K,

@@ -1,4 +1,8 @@
-"""Random-weight GGUFs in the shapes of released MoE models, for speed and memory benchmarks.
+"""Backs docs/performance/peer.md, "At OLMoE-1B-7B's size, every common type" (and the GPT-OSS-20B,
+DeepSeek-V2-Lite and Qwen3-30B-A3B sections; docs/performance/quant-types.md): the random-weight files
+in released models' shapes that peer.py and quant_types.py time.
+
+Random-weight GGUFs in the shapes of released MoE models, for speed and memory benchmarks.
 
     python benchmarks/real_models.py --preset olmoe-1b-7b --type Q4_0 --out /data/olmoe-q4_0.gguf
     python benchmarks/real_models.py --preset olmoe-1b-7b --type Q4_K_M --out /data/olmoe-q4_k_m.gguf \\

@@ -1,4 +1,7 @@
-"""What the coupled sampler costs in acceptance: standard vs coupled sampled speculation on the same
+"""Backs docs/performance/sampling.md, "Standard vs coupled sampling": what a reproducible seed costs
+in acceptance.
+
+What the coupled sampler costs in acceptance: standard vs coupled sampled speculation on the same
 prompts, seeds and draft lengths (embedded default model, or --model).
 
     python benchmarks/samplers.py [--model DIR] [--n-prompts 8] [--max-tokens 48] [--cap 4]
@@ -25,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.counting import prompts_of, resident_model, unused_costs  # noqa: E402
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import (Record, machine_info, prompts_of, resident_model, unused_costs,  # noqa: E402
+                               write_outputs)
 
 
 def gumbel_rate(p: np.ndarray, q: np.ndarray) -> float:

@@ -1,4 +1,8 @@
-"""S²-MoE vs AR and the baselines (embedded default model, or --model): `s2moe bench` at several budgets
+"""Backs docs/performance/s2moe-targets.md, "Speedup against the targets with residency-aware gating"
+(and docs/performance/s2moe-real-size.md, "S²-MoE against AR, real disk"): S²-MoE against AR and the
+baselines, per budget and workload.
+
+S²-MoE vs AR and the baselines (embedded default model, or --model): `s2moe bench` at several budgets
 over HumanEval, GSM8K and MT-Bench prompts, in one process per configuration.
 
     python benchmarks/speculative.py [--n-prompts 8] [--max-tokens 64] [--budgets 1.0,0.25,0.1] [--reps 3]
@@ -9,7 +13,7 @@ a method's speedup is taken against the AR run just before it; the table gives t
 repetitions of those ratios (this machine drifts by tens of percent between minutes).
 
 Writes raw records (per-prompt samples, machine, commit) to docs/results/speculative*.json/.csv
-and prints markdown rows for docs/performance.md. Fetches come from the model file with O_DIRECT;
+and prints markdown rows for the performance notes. Fetches come from the model file with O_DIRECT;
 with --emulate-* every fetch also waits on an emulated link, and every row says so.
 """
 
@@ -22,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from s2moe.runtime.records import Record, machine_info, write_outputs  # noqa: E402
+from benchmarks.common import Record, machine_info, write_outputs  # noqa: E402
 
 WORKLOADS = ("humaneval", "gsm8k", "mt-bench")
 METHODS = "ar,es,confidence,cascade,ca,ca+ae,s2moe"

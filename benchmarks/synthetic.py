@@ -1,4 +1,7 @@
-"""Random-weight OLMoE-style checkpoints at realistic widths, written with NumPy + safetensors only.
+"""Backs docs/performance/peer.md, "Memory: plan against the kernel's peak" (tests/test_memory.py) and
+"Earlier runs" (peer.py's hidden-1024 file): random-weight OLMoE-style checkpoints.
+
+Random-weight OLMoE-style checkpoints at realistic widths, written with NumPy + safetensors only.
 
 For speed and I/O benchmarks (never for acceptance figures: random weights make drafts agree for
 the wrong reasons). Weights are scaled 1/sqrt(fan_in) so activations stay finite over many layers.
@@ -54,3 +57,24 @@ def write_olmoe(folder: str, hidden=1024, layers=4, experts=32, top_k=4, interme
                   q + "down_proj.weight": w(hidden, intermediate)}
     save_file(t, os.path.join(folder, "model.safetensors"))
     return folder
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", help="where config.json and model.safetensors are written")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--dtype", default="float16")
+    a = ap.parse_args()
+    print(write_olmoe(a.folder, hidden=a.hidden, layers=a.layers, experts=a.experts, top_k=a.top_k,
+                      intermediate=a.intermediate, vocab=a.vocab, dtype=a.dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,7 @@
-"""Where a generated token's time goes, and the most full overlap could give, from bench records.
+"""Backs docs/performance/s2moe-targets.md, "Where a token's time goes at the default gating, and the
+ceiling of full overlap": where a token's time goes, and what hiding every read could give.
+
+Where a generated token's time goes, and the most full overlap could give, from bench records.
 
     python benchmarks/time_split.py docs/results/gating-strength/speed-0.25.json \
         --setting "resident ρ=0.25" --gb-s 1.69 [--emulated-ms-per-read 0.1 --expert-mib 3]

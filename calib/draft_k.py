@@ -1,5 +1,5 @@
 """How many experts the draft takes, chosen by measurement (`s2moe-calib profile` without
---draft-topk; `benchmarks/draft_topk.py` prints the same figures).
+--draft-topk; `benchmarks/draft_topk.py`, at commit 807e4cc, printed the same figures).
 
 One more draft expert costs what it adds to a draft pass and gains the draft tokens it makes the
 target keep. Both depend on the device and the model: on the embedded model (168 KiB experts) three

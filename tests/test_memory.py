@@ -23,10 +23,10 @@ from s2moe.runtime.model.loader import load_model
 from s2moe.runtime.offload.memory import Budget, plan_memory
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import cgroups  # noqa: E402
+from benchmarks import common  # noqa: E402  (memory cgroups: run_in_cgroup, drop_page_cache)
 
 SLACK = 64 << 20
-MEASURE = "cgroup" if cgroups.available() else "vmhwm"
+MEASURE = "cgroup" if common.available() else "vmhwm"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _run(model: str, budget: str, method: str = "s2moe") -> tuple[dict, int]:
            "-n", "24", "--budget", budget, "--method", method, "--temperature", "0", "--json",
            "--always-prefetch"]  # prefetch on every iteration: the plan must hold with it on
     if MEASURE == "cgroup":
-        r = cgroups.run_in_cgroup(cmd, timeout=300)
+        r = common.run_in_cgroup(cmd, timeout=300)
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout), r.peak_bytes
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -137,7 +137,7 @@ def test_loading_leaves_no_model_bytes_in_the_page_cache(wide_model):
     if shutil.which("fincore") is None:
         pytest.fail("fincore (util-linux) is needed to check the page cache")
     path = os.path.join(wide_model, "model.safetensors")
-    cgroups.drop_page_cache(path)
+    common.drop_page_cache(path)
     r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", wide_model, "-p", "def f(x):",
                         "-n", "8", "--method", "ar"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -202,7 +202,7 @@ def _umask() -> int:
 
 def _peak(cmd: list[str]) -> int:
     if MEASURE == "cgroup":
-        r = cgroups.run_in_cgroup(cmd, timeout=300)
+        r = common.run_in_cgroup(cmd, timeout=300)
         assert r.returncode == 0, r.stderr
         return r.peak_bytes
     r = subprocess.run(["/usr/bin/time", "-f", "%M", *cmd], capture_output=True, text=True, timeout=300)
@@ -229,7 +229,7 @@ def test_a_run_under_a_cgroup_limit_plans_to_it_and_is_never_killed(wide_model):
     cannot fit) is refused in one line that says by how much to raise the limit."""
     cmd = [sys.executable, "-m", "s2moe.runtime.cli", "run", "--model", wide_model, "--prompt", "def fibonacci(n):",
            "-n", "16", "--method", "ar", "--temperature", "0", "--json"]
-    free = cgroups.run_in_cgroup(cmd, timeout=300)
+    free = common.run_in_cgroup(cmd, timeout=300)
     assert free.returncode == 0, free.stderr
     plan = json.loads(free.stdout)["stats"]["offload"]["memory"]
     assert plan["expert_share"] == 1.0 and "memory limit" not in free.stderr  # no limit: as before
@@ -238,7 +238,7 @@ def test_a_run_under_a_cgroup_limit_plans_to_it_and_is_never_killed(wide_model):
     outcomes = {}
     for share in (1.0, 0.5, 0.25, 0.1):
         cap = overhead + int(share * size)
-        r = cgroups.run_in_cgroup(cmd, limit_bytes=cap, timeout=300)
+        r = common.run_in_cgroup(cmd, limit_bytes=cap, timeout=300)
         assert not r.oom_killed and r.returncode in (0, 2), (share, r.stderr[-500:])
         if r.returncode == 2:  # refused: one line, with the fix
             assert r.stderr.count("\n") == 1 and "raise the limit by" in r.stderr and "cgroup" in r.stderr, r.stderr
@@ -305,7 +305,7 @@ def test_peak_memory_within_the_plan_for_a_long_prompt(measure, wide_model, tmp_
            _long_prompt(tmp_path, 400), "-n", "4", "--budget", "1.0", "--method", "ar", "--temperature", "0",
            "--json"]
     if measure == "cgroup":
-        r = cgroups.run_in_cgroup(cmd, timeout=300)
+        r = common.run_in_cgroup(cmd, timeout=300)
         assert r.returncode == 0, r.stderr
         out, peak = json.loads(r.stdout), r.peak_bytes
     else:

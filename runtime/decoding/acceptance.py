@@ -21,7 +21,8 @@ Only how much is drafted changes. Which tokens are verified is decided before th
 from past verifications and the draft alone, so sampled verification stays exact; with gating off
 the greedy tokens (and a seed's coupled sample) are unchanged. With reuse-aware gating on (the
 default `s2moe` method) the drafted batch steers the target's routing, so there the text can change.
-`benchmarks/acceptance.py` measures the calibration this corrects.
+`benchmarks/acceptance.py` (at commit 807e4cc; docs/performance/s2moe-ae.md) measured the calibration
+this corrects.
 """
 
 from __future__ import annotations

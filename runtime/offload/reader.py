@@ -94,9 +94,9 @@ class BufferPool:
     A fresh anonymous map per read costs a page fault per 4 KiB when the device writes into it, and
     an unmap when it is freed. On a 2-core VM that CPU time is taken from the matmuls running beside
     the read: 3 MiB reads every 2 ms slowed a matvec loop 1.60x with fresh maps and 1.08x with
-    reused buffers (`benchmarks/read_buffers.py`). A buffer whose array dies goes back to a free list (one
-    per size in pages) instead, as long as the buffers handed out plus those kept stay within
-    ``limit_bytes``: the engine passes the plan's expert capacity plus its streaming workspace, so
+    reused buffers (`benchmarks/read_buffers.py` at commit 807e4cc). A buffer whose array dies goes
+    back to a free list (one per size in pages) instead, as long as the buffers handed out plus those
+    kept stay within ``limit_bytes``: the engine passes the plan's expert capacity plus its streaming workspace, so
     keeping them never takes the process past its plan."""
 
     def __init__(self, limit_bytes: int):
