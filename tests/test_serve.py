@@ -247,6 +247,39 @@ def test_chat_template_from_tokenizer_config(tmp_path):
     assert load_chat_template(str(tmp_path / "base")).render([{"role": "user", "content": "hi"}]) == "hi\n"
 
 
+def test_a_converted_gguf_carries_the_folders_chat_template(tmp_path):
+    """convert writes tokenizer_config.json's template as tokenizer.chat_template, and a GGUF's own
+    template is the one chat and serve use (as llama.cpp does), with its BOS / EOS strings."""
+    import shutil
+
+    from s2moe.runtime.model.formats.gguf_index import GGUFIndex
+    from s2moe.runtime.cli.common import DEFAULT_MODEL
+
+    folder = tmp_path / "hf"
+    shutil.copytree(DEFAULT_MODEL, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "m.gguf"  # no tokenizer_config.json beside it: the file alone must carry it
+    r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "convert", "--model", str(folder), "--out", str(out),
+                        "--type", "F16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    index = GGUFIndex(str(out))
+    assert index.metadata["tokenizer.chat_template"] == CHATML
+    t = load_chat_template(str(out))
+    assert t.name == "model" and "tokenizer.chat_template" in t.origin
+    assert t.render([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    tokens = index.array("tokenizer.ggml.tokens")
+    assert t.eos == tokens[index.metadata["tokenizer.ggml.eos_token_id"]] and t.eos
+    assert load_chat_template(str(out), override=None).source == CHATML
+    plain = tmp_path / "plain.gguf"  # the folder without a template: the file has none either
+    (folder / "tokenizer_config.json").unlink()
+    r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "convert", "--model", str(folder), "--out", str(plain),
+                        "--type", "F16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "tokenizer.chat_template" not in GGUFIndex(str(plain)).metadata
+    assert load_chat_template(str(plain)).name == "plain"
+
+
 def test_chat_template_is_sandboxed():
     from jinja2.exceptions import SecurityError
 

@@ -27,7 +27,7 @@ def serve(
     load: str = typer.Option("background", "--load", help="Every expert resident: read the ones the prompt needs, then the rest while decoding (background, as mmap starts), or all before the prompt (now)."),
     cache_type: str = typer.Option("auto", "--cache-type", help="KV cache type: f32, f16 or q8_0 (llama.cpp's block of 32). auto: f16, or f32 on a GPU backend."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="Compute threads."),
-    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template file (default: tokenizer_config.json's)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template file (default: the GGUF's tokenizer.chat_template, else tokenizer_config.json's)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json (or its folder) instead of the model's."),
     acceptance: str = typer.Option(SpecSettings.acceptance, "--acceptance", help="AE's acceptance probability: learned (from this server's verifications) or confidence (the paper's)."),
     ae_lookahead: int = typer.Option(SpecSettings.ae_lookahead, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain (1: the paper's rule)."),

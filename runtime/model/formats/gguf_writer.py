@@ -229,6 +229,7 @@ def write_gguf(
         _add_arch_metadata(w, c)
         if tokenizer_json:
             add_tokenizer(w, tokenizer_json, c.vocab_size)
+        _add_chat_template(w, model.path)
         _add_sampling_defaults(w, model.generation_defaults)
         overrides = raw_overrides or {}
         w.add_custom_alignment(ALIGNMENT)
@@ -320,6 +321,17 @@ def _add_arch_metadata(w, c) -> None:
             w.add_sliding_window(c.sliding_window)
             if c.sliding_layers != tuple(i % 2 == 0 for i in range(c.num_layers)):
                 w.add_sliding_window_pattern(list(c.sliding_layers))
+
+
+def _add_chat_template(w, model_path: str) -> None:
+    """The folder's chat template, as `tokenizer.chat_template` (llama.cpp and s2moe read it there)."""
+    from ...serve.chat import config_chat_template
+
+    path = os.path.join(model_path, "tokenizer_config.json")
+    if os.path.isdir(model_path) and os.path.isfile(path):
+        template, _ = config_chat_template(path)
+        if template:
+            w.add_chat_template(template)
 
 
 def _add_sampling_defaults(w, defaults: dict) -> None:
