@@ -1,5 +1,5 @@
-"""Backs docs/performance.md, the machine note on the GPU ("prepared but has not run") and "Device work
-per decode token": GPU tests, kernels against NumPy, AR and S²-MoE tok/s per backend and tier.
+"""Backs docs/gpu.md, "Status" and "Kernels" (and the machine note of docs/performance.md): GPU tests,
+kernels against NumPy, AR and S²-MoE tok/s per backend and tier.
 
 The one prepared GPU check: run the GPU tests, then time the csrc kernels against NumPy.
 

@@ -1,5 +1,6 @@
-"""Renders the headline figures from the recorded results into docs/img/*.png (README.md's
-"Results", docs/performance/s2moe-real-size.md and docs/performance/calibration.md show them).
+"""Backs the figures of README.md ("Results"), docs/performance/peer.md,
+docs/performance/s2moe-real-size.md and docs/performance/calibration.md: renders them from the
+recorded results into docs/img/*.png.
 
     pip install -e ".[plot]" && python benchmarks/plots.py
 
@@ -10,7 +11,7 @@ its record does.
   (peer-olmoe-widened-uncapped.json at 100 %, peer-olmoe-widened-capped.json at 25 and 10 %);
 - time-split.png: where a token's time goes, AR against S²-MoE (speculative-olmoe-widened.json);
 - predicted-vs-measured.png: the cost model's verification time against the measured one, pass
-  by pass, held out (calibration-olmoe-widened-validate.json, `s2moe-calib validate --json`).
+  by pass, held out (calibration-olmoe-widened-revalidate.json, `s2moe-calib validate --json`).
 """
 
 from __future__ import annotations
@@ -84,12 +85,16 @@ def speed_vs_budget(plt, out: str) -> str:
         xs = [s * 100 for s in shares if program in by_share[s]]
         ys = [by_share[s][program] for s in shares if program in by_share[s]]
         ax.plot(xs, ys, "o-", color=color, label=program)
-        for x, y in zip(xs, ys):
-            ax.annotate(f"{y:.3g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+        for x, y in zip(xs, ys):  # at full budget the three meet: labels stacked left of the points
+            offset = ((6, {"AR": -12, "S²-MoE": 5, "llama.cpp": 5}[program]) if x < 100 else
+                      (7, {"AR": 3, "S²-MoE": -4, "llama.cpp": -11}[program]))
+            ax.annotate(f"{y:.3g}", (x, y), textcoords="offset points", xytext=offset, fontsize=8, color=color)
     ax.set_yscale("log")
+    ax.set_ylim(top=max(max(v.values()) for v in by_share.values()) * 1.8)
     ax.set_xlabel("experts in memory (% of their stored bytes)")
     ax.set_ylabel("decode tokens/s (log)")
     ax.set_xticks([s * 100 for s in shares])
+    ax.set_xlim(right=max(shares) * 100 + 14)  # room for the full-budget labels
     ax.set_title("OLMoE-1B-7B (widened, trained routing), Q4_K_M, 2 threads, memory cgroup", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -138,7 +143,7 @@ def time_split(plt, out: str) -> str:
 
 
 def predicted_vs_measured(plt, out: str) -> str:
-    path_in = os.path.join(RESULTS, "calibration-olmoe-widened-validate.json")
+    path_in = os.path.join(RESULTS, "calibration-olmoe-widened-revalidate.json")
     with open(path_in) as f:
         res = json.load(f)
     if "passes" not in res:
@@ -146,22 +151,38 @@ def predicted_vs_measured(plt, out: str) -> str:
     meas = [p["measured_ms"] for p in res["passes"]]
     pred = [p["predicted_ms"] for p in res["passes"]]
     tokens = [p["n_tokens"] for p in res["passes"]]
-    fig, ax = plt.subplots(figsize=(4.8, 4.6))
-    sc = ax.scatter(meas, pred, c=tokens, s=14, cmap="viridis", alpha=0.8)
+    ratio = res["probe"]["ratio"] if res["probe"].get("drift") else None
+    fig, ax = plt.subplots(figsize=(5.2, 4.8))
+    sc = ax.scatter(meas, pred, c=tokens, s=14, cmap="viridis", alpha=0.8, label="the profile's prediction")
     fig.colorbar(sc, ax=ax, label="tokens in the pass")
+    title = f"held out, n {res['n']}: R² {res['r2']:.3f}, MAPE {res['mape_percent']:.1f} %"
+    if ratio:  # the speed probe saw the machine move since the profile: the same model, rescaled
+        scaled = [q * ratio for q in pred]
+        ax.scatter(meas, scaled, s=10, facecolors="none", edgecolors="#c44e52", alpha=0.6,
+                   label=f"× {ratio:.3f}, the speed probe's drift")
+        title += f"\nscaled by the drift: R² {_r2(meas, scaled):.3f}, MAPE {_mape(meas, scaled):.1f} %"
     lo, hi = min(meas + pred), max(meas + pred)
     ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = measured")
     ax.set_xlabel("measured verification pass (ms)")
-    ax.set_ylabel("predicted by the profile (ms)")
+    ax.set_ylabel("predicted (ms)")
     ceiling = res["timing"]["noise_ceiling_r2"]
-    ax.set_title(f"held out: R² {res['r2']:.3f}, MAPE {res['mape_percent']:.1f} % "
-                 f"(noise ceiling {ceiling:.3f}), n {res['n']}", fontsize=9)
+    ax.set_title(f"{title}\nnoise ceiling R² {ceiling:.3f}, MAPE floor "
+                 f"{res['timing']['noise_mape_floor_percent']:.1f} %", fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path = os.path.join(out, "predicted-vs-measured.png")
     save(fig, path)
     plt.close(fig)
     return path
+
+
+def _r2(y: list[float], q: list[float]) -> float:
+    mean = statistics.fmean(y)
+    return 1 - sum((a - b) ** 2 for a, b in zip(y, q)) / sum((a - mean) ** 2 for a in y)
+
+
+def _mape(y: list[float], q: list[float]) -> float:
+    return 100 * statistics.fmean(abs(a - b) / a for a, b in zip(y, q))
 
 
 def save(fig, path: str) -> str:

@@ -209,3 +209,54 @@ def test_each_figure_exists_and_is_shown(image):
     assert os.path.getsize(path) > 1000, f"{image}: run python benchmarks/plots.py"
     shown = [p for p in PAGES if f"img/{image}" in open(p, encoding="utf-8").read()]
     assert shown, f"no page shows docs/img/{image}"
+
+
+def _cited(text: str, files: set[str]) -> set[str]:
+    """Results files a page cites: an exact path, a stem glob (`docs/results/peer.*`), a brace list
+    or a folder (`docs/results/predict-default/`)."""
+    hits = set()
+    for cite in re.findall(r"docs/results/[^\s`)(\[\]'\",;|]*", text):
+        cite = cite.rstrip(".:")
+        alts = [cite]
+        if m := re.search(r"\{([^{}]*)\}", cite):
+            alts = [cite[:m.start()] + a + cite[m.end():] for a in m.group(1).split(",")]
+        for c in alts:
+            if c.endswith("/") or os.path.isdir(os.path.join(ROOT, c)):
+                hits |= {f for f in files if f.startswith(c.rstrip("/") + "/")}
+            elif "*" in c:
+                pattern = re.compile(re.escape(c).replace(r"\*", "[^/]*") + r"\Z")
+                hits |= {f for f in files if pattern.match(f)}
+            elif c in files:
+                hits.add(c)
+    return hits
+
+
+def test_results_are_the_records_a_page_cites():
+    files = {_rel(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(ROOT, "docs", "results")) for f in fs}
+    files.discard("docs/results/README.md")  # the index itself
+    assert len(files) <= 100, f"docs/results holds {len(files)} records; keep those a current claim cites"
+    cited = set()
+    for page in PAGES:
+        if _rel(page) != "docs/results/README.md":  # the index lists them all; a page must cite each
+            with open(page, encoding="utf-8") as f:
+                cited |= _cited(f.read(), files)
+    assert not files - cited, "records no page cites:\n" + "\n".join(sorted(files - cited))
+
+
+def test_each_benchmark_backs_a_named_claim_and_has_help():
+    scripts = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "*.py")))
+    scripts = [s for s in scripts if os.path.basename(s) not in ("__init__.py", "common.py")]
+    assert len(scripts) <= 20, f"{len(scripts)} benchmarks; keep the maintained ones"
+    text = "".join(open(p, encoding="utf-8").read() for p in PAGES)
+    problems = []
+    for path in scripts:
+        name = _rel(path)
+        if name not in text:
+            problems.append(f"{name}: no page names it")
+        with open(path, encoding="utf-8") as f:
+            doc = re.match(r'\s*(?:#[^\n]*\n\s*)*"""(.*?)"""', f.read(), flags=re.S)
+        if not doc or not re.search(r"docs/[\w/.-]+\.md|README\.md", doc.group(1).split("\n\n")[0]):
+            problems.append(f"{name}: its docstring does not open by naming the docs it backs")
+        if help_flags(path) is None:
+            problems.append(f"{name}: --help fails")
+    assert not problems, "\n".join(problems)
