@@ -6,8 +6,10 @@ real `ExpertCache`, its replacement policy and pinned hot list, at the capacity 
 budget leaves for experts; a store that reads nothing) and prices each pass with that device's
 fitted cost model:
 
-    verification or AR step:  t_base + t_token · n_tokens + t_exp_miss · n_missing + t_exp_hit · n_resident
-    draft pass:               C_draft   (the draft uses resident experts only and fetches nothing)
+    verification:  t_base + t_token · n_tokens + t_exp_miss · n_missing + t_exp_hit · n_resident
+    AR step:       the same at one token, × T_AR / (its price at the AR run's mean misses at the
+                   profile's own budget): the fit is made on verifications, and T_AR is measured
+    draft pass:    C_draft   (the draft uses resident experts only and fetches nothing)
 
 Prefill passes update the cache but are not priced (decode tokens/s, as `s2moe bench` reports).
 As recorded, the passes carry this device's drafting decisions. For a greedy AE method whose trace
@@ -28,7 +30,7 @@ import typer
 from s2moe.runtime.cli.common import err, print_json, say
 from s2moe.runtime.cli.errors import cli_errors
 
-from .redecide import serve, simulate
+from .redecide import ar_step_scale, price, serve, simulate
 
 PRICED = ("ar", "verify", "draft")
 
@@ -53,8 +55,8 @@ def new_cache(capacity: int | None, size, hot=(), policy: str = "lfu"):
     return ExpertCache(_NoStore(size), capacity, policy, hot=list(hot), resident_size=size)
 
 
-def replay(run: dict, E: int, cache, costs) -> dict:
-    """One method's passes, as recorded, through ``cache``, priced by ``costs``."""
+def replay(run: dict, E: int, cache, costs, ar_scale: float = 1.0) -> dict:
+    """One method's passes, as recorded, through ``cache``, priced by ``costs`` (an AR step × ``ar_scale``)."""
     seconds = {"ar": 0.0, "verify": 0.0, "draft": 0.0}
     misses = hits = 0
     for phase, n_tokens, keys in run["passes"]:
@@ -65,7 +67,7 @@ def replay(run: dict, E: int, cache, costs) -> dict:
         if phase == "draft":
             seconds["draft"] += costs.c_draft
         elif phase in ("ar", "verify"):
-            seconds[phase] += costs.t_base + costs.t_token * n_tokens + costs.t_exp_miss * m + costs.t_exp_hit * h
+            seconds[phase] += price(costs, n_tokens, h, m) * (ar_scale if phase == "ar" else 1.0)
             hits, misses = hits + h, misses + m
     total = sum(seconds.values())
     return {"method": run["method"], "tokens": run["tokens"], "predicted_seconds": total,
@@ -107,7 +109,6 @@ def predict(
         if prof.hot_experts and not hot:
             say(f"note: {profile} was made for another model: its hot list is not pinned in the replay", "dim")
         spec = budget or prof.budget_spec
-        parsed = Budget.parse(spec, "--budget" if budget else f"{profile}: budget.spec")
         settings = prof.speculative
         context = (prof.data.get("budget") or {}).get("context_tokens") or 128
         cap = int(settings.get("draft_cap") or 8)
@@ -115,30 +116,52 @@ def predict(
         on_device = device not in ("cpu",)
         size = (lambda key: loaded.experts[key].resident_bytes_for(False)) if on_device else \
             (lambda key: loaded.experts[key].resident_bytes_for(True))
-        # one plan for every method, a drafting run's: an AR run, with no draft head, would give the
-        # head's rows to experts too, so under a byte budget its replay may count a few misses too many
-        plan = plan_memory(loaded, parsed, context + 2 * max(cap, 8) + 2, batch=max(min(context, 64), 1 + 2 * cap),
-                           expert_bytes=(lambda refs: refs.resident_bytes_for(not on_device)),
-                           draft_head=draft_head_bytes(loaded, int(settings.get("draft_vocab") or 0), on_device),
-                           staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if on_device else 0,
-                           cache_type=resolve_cache_type("auto", loaded.config, on_device))
-        capacity = None if plan.expert_capacity >= plan.expert_total else plan.expert_capacity
-        if capacity is not None and sum(map(size, hot)) > capacity:  # another budget than the profile's
-            from s2moe.runtime.engine import head_that_fits
+
+        def fast_tier(spec: str, field: str, quiet: bool = False) -> tuple[int | None, list]:
+            """The expert capacity a budget leaves on that device, and the hot experts pinned in it.
+            One plan for every method, a drafting run's: an AR run, with no draft head, would give
+            the head's rows to experts too, so under a byte budget it may count a few misses too many."""
+            parsed = Budget.parse(spec, field)
+            plan = plan_memory(loaded, parsed, context + 2 * max(cap, 8) + 2, batch=max(min(context, 64), 1 + 2 * cap),
+                               expert_bytes=(lambda refs: refs.resident_bytes_for(not on_device)),
+                               draft_head=draft_head_bytes(loaded, int(settings.get("draft_vocab") or 0), on_device),
+                               staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if on_device else 0,
+                               cache_type=resolve_cache_type("auto", loaded.config, on_device))
+            capacity = None if plan.expert_capacity >= plan.expert_total else plan.expert_capacity
+            if capacity is None or sum(map(size, hot)) <= capacity:
+                return capacity, hot
+            from s2moe.runtime.engine import head_that_fits  # another budget than the profile's
 
             kept = head_that_fits(hot, size, capacity)
-            say(f"note: budget {spec} leaves room for the first {len(kept)} of the profile's {len(hot)} hot experts; "
-                "the replay pins those, as s2moe run would", "dim")
-            hot = kept
+            if not quiet:
+                say(f"note: budget {spec} leaves room for the first {len(kept)} of the profile's {len(hot)} hot "
+                    "experts; the replay pins those, as s2moe run would", "dim")
+            return capacity, kept
+
+        capacity, pinned = fast_tier(spec, "--budget" if budget else f"{profile}: budget.spec")
+        # T_AR was measured at the profile's own budget: the AR step's scale is found there
+        at_profile = (capacity, pinned) if spec == prof.budget_spec else \
+            fast_tier(prof.budget_spec, f"{profile}: budget.spec", quiet=True)
+        # T_AR is the profile's model's: it prices this trace's AR steps only for that model, or one
+        # of its shape (a published preset names the released model whose shape it was measured on)
+        c, pm = loaded.config, prof.data["model"]
+        same_shape = (pm.get("layers"), pm.get("experts"), pm.get("top_k")) == (c.num_layers, c.num_experts, c.top_k)
+        any_ar = next((r for r in data["runs"] if r["method"] == "ar"), None)
+        if pm.get("fingerprint") != fingerprint and not same_shape:
+            any_ar = None
+            say(f"note: {profile} was made for a model of another shape: AR steps are priced by its fitted "
+                "cost model, not scaled to its T_AR", "dim")
+        scale = ar_step_scale(any_ar, E, new_cache(at_profile[0], size, at_profile[1]), prof.costs)
         ar_run = next((r for r in data["runs"] if r["method"] == "ar" and r.get("texts")), None)
-        rows = [simulate(ar_run, run, E, new_cache(capacity, size, hot), prof.costs)
+        rows = [simulate(ar_run, run, E, new_cache(capacity, size, pinned), prof.costs, scale)
                 if run.get("drafts") and ar_run is not None and not redo_off else
-                replay(run, E, new_cache(capacity, size, hot), prof.costs) for run in data["runs"]]
+                replay(run, E, new_cache(capacity, size, pinned), prof.costs, scale) for run in data["runs"]]
         ar = next((r["predicted_tokens_per_s"] for r in rows if r["method"] == "ar"), None)
         for r in rows:
             r["predicted_speedup_vs_ar"] = r["predicted_tokens_per_s"] / ar if ar and r["predicted_tokens_per_s"] else None
         result = {"trace": trace, "profile": profile, "device": device, "budget": spec,
-                  "expert_capacity_bytes": capacity, "recorded": data.get("recorded"), "methods": rows}
+                  "expert_capacity_bytes": capacity, "ar_step_scale": round(scale, 6), "recorded": data.get("recorded"),
+                  "methods": rows}
         if json_out:
             print_json(result)
             return

@@ -19,7 +19,7 @@ under a slow tier AE drafts far more. Priced as recorded, the default model's S�
   ones verification uses first; the prefetch slots' limit is not modelled).
 
 Prices as `predict.replay`: a verification t_base + t_token·n + t_exp_miss·misses + t_exp_hit·hits,
-a draft pass C_draft. What stays as recorded: the drafts and the gating's choices, made with this
+an AR step that price scaled to the profile's T_AR (`ar_step_scale`), a draft pass C_draft. What stays as recorded: the drafts and the gating's choices, made with this
 device's cache residency at recording time; and the text (AR's, which gating may change).
 """
 
@@ -46,6 +46,31 @@ def serve(cache, phase: str, n_tokens: int, pairs: list[tuple[int, int]]) -> tup
         return s.hits - before[0], s.misses - before[1]
 
 
+def price(costs: CostConstants, n_tokens: int, h: float, m: float) -> float:
+    """The fitted cost of a pass of ``n_tokens`` that hits ``h`` resident experts and misses ``m``."""
+    return costs.t_base + costs.t_token * n_tokens + costs.t_exp_miss * m + costs.t_exp_hit * h
+
+
+def ar_step_scale(ar_run: dict | None, E: int, cache, costs: CostConstants) -> float:
+    """T_AR over the fitted price of the AR run's mean step, replayed on ``cache`` (the profile's own
+    budget): the factor that prices an AR step.
+
+    The cost model is fitted on verification passes of 2+ tokens. A one-token decode step also pays
+    what the fit never sees (sampling, the step's interpreter, the one-token pass's own form): on
+    OLMoE-1B-7B's shape the fit priced it 144 ms where the profile measured T_AR 195 ms. Scaled so,
+    an AR step costs T_AR at the misses T_AR was measured with, and more or less as its own misses
+    differ; a profile without T_AR (or a trace without an AR run) keeps the fitted price."""
+    if ar_run is None or not costs.t_ar:
+        return 1.0
+    h = m = n = 0
+    for phase, n_tokens, keys in ar_run["passes"]:
+        hh, mm = serve(cache, phase, n_tokens, [(k // E, k % E) for k in keys])
+        if phase == "ar":
+            h, m, n = h + hh, m + mm, n + 1
+    fitted = price(costs, 1, h / n, m / n) if n else 0.0
+    return costs.t_ar / fitted if fitted > 0 else 1.0
+
+
 def per_prompt(passes: list) -> list[tuple[list[int], list[list[int]]]]:
     """An AR run's passes split by prompt: (its prefill chunks' keys, each AR step's keys in order).
     A long prompt is prefilled in chunks: consecutive prefill passes are one prompt's."""
@@ -62,8 +87,9 @@ def per_prompt(passes: list) -> list[tuple[list[int], list[list[int]]]]:
     return out
 
 
-def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants) -> dict:
-    """``run`` (an AE method with draft tables) again, on ``cache``, priced and decided by ``costs``."""
+def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants, ar_scale: float = 1.0) -> dict:
+    """``run`` (an AE method with draft tables) again, on ``cache``, priced and decided by ``costs``;
+    an AR step at ``ar_scale`` × its fitted price (`ar_step_scale`)."""
     s = run.get("settings") or {}
     cap, theta, lookahead = int(s.get("draft_cap", 8)), float(s.get("utility_threshold", 1.0)), int(s.get("ae_lookahead", 2))
     learned, prefetch = s.get("acceptance", "learned") == "learned", bool(s.get("prefetch", True))
@@ -75,9 +101,6 @@ def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants) -> di
     hits = misses = tokens = drafted_total = verifications = accepted = backoffs = 0
     ar_steps = 0
     fetch = max(costs.t_exp_miss - costs.t_exp_hit, 0.0)  # a read, beyond the expert's compute
-
-    def price(n_tokens: int, h: int, m: int) -> float:
-        return costs.t_base + costs.t_token * n_tokens + costs.t_exp_miss * m + costs.t_exp_hit * h
 
     prompts = per_prompt(ar_run["passes"])
     if len(prompts) != len(run["drafts"]) or any(len(k) != len(t) - 1 for (_, k), t in zip(prompts, ar_run["texts"])):
@@ -99,7 +122,7 @@ def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants) -> di
                 length = 0
             if length == 0:  # an AR step
                 h, m = serve(cache, "ar", 1, [pair(k) for k in ar_keys[j]])
-                t = price(1, h, m)
+                t = ar_scale * price(costs, 1, h, m)
                 seconds["ar"] += t
                 hits, misses, out, ar_steps = hits + h, misses + m, out + 1, ar_steps + 1
                 if guard is not None:
@@ -141,7 +164,7 @@ def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants) -> di
             # by the time the draft ended (reads serial, the used ones first)
             ahead = sum(1 for k in keys if k in reading and not held(k))
             h, m = serve(cache, "verify", len(rows), [pair(k) for k in keys])
-            t = price(len(rows), h + ahead, m - ahead) + max(ahead * fetch - draft_s, 0.0)
+            t = price(costs, len(rows), h + ahead, m - ahead) + max(ahead * fetch - draft_s, 0.0)
             seconds["verify"] += t
             hits, misses = hits + h, misses + m
             drafted_total, verifications, out = drafted_total + len(admitted), verifications + 1, out + a + 1

@@ -29,13 +29,20 @@ def trace(tmp_path_factory):
     return path
 
 
-def _profile(tmp_path, budget="16g"):
+def _profile(tmp_path, budget="16g", shape=None):
+    """The Orin preset with test costs, for a model of the embedded model's shape (its T_AR then
+    prices the trace's AR steps) or of ``shape`` (layers, experts, top_k)."""
+    from s2moe.runtime.cli.common import DEFAULT_MODEL
+    from s2moe.runtime.model.loader import load_model
+
+    c = load_model(str(DEFAULT_MODEL), dense=False).config
     data = json.load(open(os.path.join(ROOT, "profiles", "orin-16g.json")))
     data.pop("published")
     data.update(source="measured", budget={"spec": budget})
+    data["model"].update(zip(("layers", "experts", "top_k"), shape or (c.num_layers, c.num_experts, c.top_k)))
     data["cost_model"].update(COSTS)
     data["hot_experts"] = {"gpu_experts": []}
-    path = tmp_path / f"p-{budget}.json"
+    path = tmp_path / f"p-{budget}{'-other' if shape else ''}.json"
     path.write_text(json.dumps(data))
     return str(path)
 
@@ -55,21 +62,30 @@ def test_trace_records_every_decode_pass(trace):
 def test_full_budget_replay_matches_an_independent_count(trace, tmp_path):
     r = cli("s2moe.calib", "predict", "--trace", str(trace), "--profile", _profile(tmp_path), "--json", "--as-recorded")
     assert r.returncode == 0, r.stderr
-    got = {m["method"]: m for m in json.loads(r.stdout)["methods"]}
-    for run in json.loads(trace.read_text())["runs"]:
-        seen, seconds = set(), 0.0  # everything fits: an expert misses once, the first time any pass asks
+    result = json.loads(r.stdout)
+    got = {m["method"]: m for m in result["methods"]}
+    runs = json.loads(trace.read_text())["runs"]
+
+    def priced(run):  # everything fits: an expert misses once, the first time any pass asks
+        seen, out = set(), []
         for phase, n, keys in run["passes"]:
-            if phase == "draft":
-                seconds += COSTS["c_draft_ms"] / 1e3
-                continue
             new = [k for k in keys if k not in seen]
             seen.update(keys)
-            if phase in ("ar", "verify"):
-                seconds += (COSTS["t_base_ms"] + COSTS["t_token_ms"] * n + COSTS["t_exp_miss_ms"] * len(new)
-                            + COSTS["t_exp_hit_ms"] * (len(keys) - len(new))) / 1e3
+            fitted = (COSTS["t_base_ms"] + COSTS["t_token_ms"] * n + COSTS["t_exp_miss_ms"] * len(new)
+                      + COSTS["t_exp_hit_ms"] * (len(keys) - len(new))) / 1e3
+            out.append((phase, COSTS["c_draft_ms"] / 1e3 if phase == "draft" else fitted))
+        return out
+
+    # an AR step costs T_AR at the AR run's mean misses: the fit's price scaled by T_AR / its mean
+    ar_steps = [t for phase, t in priced(next(r for r in runs if r["method"] == "ar")) if phase == "ar"]
+    scale = COSTS["t_ar_ms"] / 1e3 / (sum(ar_steps) / len(ar_steps))
+    assert result["ar_step_scale"] == pytest.approx(scale, rel=1e-5)
+    for run in runs:
+        seconds = sum(t * (scale if phase == "ar" else 1.0) for phase, t in priced(run) if phase != "prefill")
         assert got[run["method"]]["predicted_seconds"] == pytest.approx(seconds, rel=1e-9)
         assert got[run["method"]]["predicted_tokens_per_s"] == pytest.approx(run["tokens"] / seconds)
     assert got["ar"]["predicted_speedup_vs_ar"] == pytest.approx(1.0)
+    assert got["ar"]["predicted_tokens_per_s"] == pytest.approx(1e3 / COSTS["t_ar_ms"])  # at the profile's budget
 
 
 def test_a_greedy_ae_run_records_a_draft_chain_at_every_position(trace):
@@ -143,7 +159,23 @@ def test_a_smaller_budget_misses_more(trace, tmp_path):
         assert r.returncode == 0, r.stderr
         ar = next(m for m in json.loads(r.stdout)["methods"] if m["method"] == "ar")
         rates.append(ar["miss_rate"])
+        # at each profile's own budget, AR runs at its T_AR, whatever it misses there
+        assert ar["predicted_tokens_per_s"] == pytest.approx(1e3 / COSTS["t_ar_ms"])
     assert rates[0] < rates[1] < rates[2]
+    # a profile made at the full budget, asked about 10 %: AR misses more than when T_AR was measured
+    r = cli("s2moe.calib", "predict", "--trace", str(trace), "--profile", _profile(tmp_path, "16g"), "--json",
+            "--budget", "0.1")
+    assert r.returncode == 0, r.stderr
+    ar = next(m for m in json.loads(r.stdout)["methods"] if m["method"] == "ar")
+    assert ar["miss_rate"] == pytest.approx(rates[2]) and ar["predicted_tokens_per_s"] < 0.9e3 / COSTS["t_ar_ms"]
+
+
+def test_a_profile_of_another_shape_keeps_the_fitted_ar_price(trace, tmp_path):
+    """T_AR belongs to the profile's model: for a trace of another shape an AR step keeps the fit's price."""
+    r = cli("s2moe.calib", "predict", "--trace", str(trace), "--profile", _profile(tmp_path, shape=(16, 64, 8)),
+            "--json", "--as-recorded")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ar_step_scale"] == 1.0 and "not scaled to its T_AR" in " ".join(r.stderr.split())
 
 
 @pytest.mark.parametrize("content, needle", [
