@@ -25,6 +25,7 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RESULTS = os.path.join(ROOT, "docs", "results")
 COLORS = {"AR": "#4c72b0", "S²-MoE": "#dd8452", "llama.cpp": "#55a868"}
+LABELS = {"AR": "s2moe AR", "S²-MoE": "s2moe S²-MoE", "llama.cpp": "llama.cpp, best setting that ran"}
 
 
 def _pyplot():
@@ -84,7 +85,7 @@ def speed_vs_budget(plt, out: str) -> str:
     for program, color in COLORS.items():
         xs = [s * 100 for s in shares if program in by_share[s]]
         ys = [by_share[s][program] for s in shares if program in by_share[s]]
-        ax.plot(xs, ys, "o-", color=color, label=program)
+        ax.plot(xs, ys, "o-", color=color, label=LABELS[program])
         for x, y in zip(xs, ys):  # at full budget the three meet: labels stacked left of the points
             offset = ((6, {"AR": -12, "S²-MoE": 5, "llama.cpp": 5}[program]) if x < 100 else
                       (7, {"AR": 3, "S²-MoE": -4, "llama.cpp": -11}[program]))
@@ -95,7 +96,8 @@ def speed_vs_budget(plt, out: str) -> str:
     ax.set_ylabel("decode tokens/s (log)")
     ax.set_xticks([s * 100 for s in shares])
     ax.set_xlim(right=max(shares) * 100 + 14)  # room for the full-budget labels
-    ax.set_title("OLMoE-1B-7B (widened, trained routing), Q4_K_M, 2 threads, memory cgroup", fontsize=9)
+    ax.set_title("OLMoE-1B-7B shape (trained routing), Q4_K_M, 2 threads; under 100 %: each program\n"
+                 "in a memory cgroup of its baseline + dense + that share of experts", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -151,15 +153,18 @@ def predicted_vs_measured(plt, out: str) -> str:
     meas = [p["measured_ms"] for p in res["passes"]]
     pred = [p["predicted_ms"] for p in res["passes"]]
     tokens = [p["n_tokens"] for p in res["passes"]]
-    ratio = res["probe"]["ratio"] if res["probe"].get("drift") else None
+    probe = res.get("probe") or {}
+    ratio = probe.get("ratio") if probe.get("drift") else None
     fig, ax = plt.subplots(figsize=(5.2, 4.8))
     sc = ax.scatter(meas, pred, c=tokens, s=14, cmap="viridis", alpha=0.8, label="the profile's prediction")
     fig.colorbar(sc, ax=ax, label="tokens in the pass")
     title = f"held out, n {res['n']}: R² {res['r2']:.3f}, MAPE {res['mape_percent']:.1f} %"
     if ratio:  # the speed probe saw the machine move since the profile: the same model, rescaled
-        scaled = [q * ratio for q in pred]
-        ax.scatter(meas, scaled, s=10, facecolors="none", edgecolors="#c44e52", alpha=0.6,
-                   label=f"× {ratio:.3f}, the speed probe's drift")
+        drift = [p.get("drift", ratio) for p in res["passes"]]  # per pass where validate kept it
+        scaled = [q * d for q, d in zip(pred, drift)]
+        label = (f"× the speed probe's drift (median {statistics.median(drift):.3f})"
+                 if "drift" in res["passes"][0] else f"× {ratio:.3f}, the speed probe's drift")
+        ax.scatter(meas, scaled, s=10, facecolors="none", edgecolors="#c44e52", alpha=0.6, label=label)
         title += f"\nscaled by the drift: R² {_r2(meas, scaled):.3f}, MAPE {_mape(meas, scaled):.1f} %"
     lo, hi = min(meas + pred), max(meas + pred)
     ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = measured")

@@ -325,6 +325,9 @@ def run_validation(prof, loaded, tok, workload, n_prompts: int, tokens: int, rou
     summary["passes"] = [{"n_tokens": s["n_tokens"], "n_missing": s["n_missing"], "n_resident": s["n_resident"],
                           "measured_ms": round(m * 1e3, 4), "predicted_ms": round(q * 1e3, 4)}
                          for s, m, q in zip(samples, result["measured"], result["predicted"])]
+    if probe["drift"] and scale is not None:  # what the speed probe expects of each pass: drift_adjusted's
+        for point, d in zip(summary["passes"], np.broadcast_to(np.asarray(scale, dtype=np.float64), (len(samples),))):
+            point["drift"] = round(float(d), 5)
     timing = {"estimator": "fastest of interleaved replays", **spread(passes)}
     bar = bars.within_noise(timing)
     summary.update(passed=meets(result, bar), bars=bar, min_r2=bar["r2"], max_mape_percent=bar["mape_percent"],

@@ -214,6 +214,10 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     pred = np.array([p["predicted_ms"] for p in points])
     r2 = 1 - ((meas - pred) ** 2).sum() / ((meas - meas.mean()) ** 2).sum()
     assert abs(r2 - res["r2"]) < 1e-3 * max(1.0, abs(res["r2"]))
+    if "drift_adjusted" in res:  # where the speed probe saw drift, each point carries what it expected
+        pred = pred * np.array([p["drift"] for p in points])
+        r2 = 1 - ((meas - pred) ** 2).sum() / ((meas - meas.mean()) ** 2).sum()
+        assert abs(r2 - res["drift_adjusted"]["r2"]) < 1e-3 * max(1.0, abs(r2))
     strict = calib("validate", "--profile", str(out), "-m", calib_model, "-w", WORKLOAD, "--n-prompts", "2",
                    "--max-tokens", "8", "--min-r2", "1.01")
     assert strict.returncode == 1

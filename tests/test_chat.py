@@ -212,8 +212,8 @@ def test_chat_takes_runs_options():
     chat_opts = set(inspect.signature(chat.chat).parameters)
     assert chat_opts == (run_opts - set(chat.OMITTED)) | {"chat_template", "system", "verbose"}
     assert run_opts - set(chat.OMITTED) <= chat.HANDLED  # every run flag kept is read by the session:
-    read = set(re.findall(r"\bo\.(\w+)", inspect.getsource(chat.Session)))
-    assert chat.HANDLED <= read
+    read = set(re.findall(r"\bo\.(\w+)", inspect.getsource(chat.Session) + inspect.getsource(run.decoding_setup)))
+    assert chat.HANDLED <= read  # by the session, or by the setup it shares with run
     # the definitions are run's (and serve's) own objects, --max-tokens a copy with its own default
     runs, chats = inspect.signature(run.run).parameters, inspect.signature(chat.chat).parameters
     assert chats["budget"].default is runs["budget"].default

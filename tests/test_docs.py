@@ -46,7 +46,18 @@ def help_flags(*argv: str) -> frozenset[str] | None:
     """The flags a command's --help names (typer's and argparse's alike); None where --help fails."""
     r = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, timeout=120,
                        cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
-    return frozenset(FLAG.findall(r.stdout)) if r.returncode == 0 else None
+    return option_flags(r.stdout) if r.returncode == 0 else None
+
+
+def option_flags(help_text: str) -> frozenset[str]:
+    """The flags of the option lines only (`  -m, --model <str>  …`, `  --out OUT`): a flag that a
+    description mentions is not the command's."""
+    flags = set()
+    for line in help_text.splitlines():
+        m = re.match(r"^[│ ]{1,6}(-[^\s].*?)(?:\s{2,}|$)", line)
+        if m:
+            flags |= set(FLAG.findall(m.group(1)))
+    return frozenset(flags)
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +70,8 @@ def subcommands(cli: str) -> frozenset[str]:
 
 def named_commands(span: str):
     """(argv for --help, the flags given to it) for each command invocation in a code span."""
-    for part in re.split(r"&&|\||;", span):
+    span = re.split(r"\s#\s", " " + span + " ")[0]  # a trailing comment is prose
+    for part in re.split(r"\s(?:&&|\||;)\s", span):
         words = part.split()
         for i, w in enumerate(words):
             if w in CLIS and i + 1 < len(words) and re.fullmatch(r"[a-z][a-z-]*", words[i + 1]):
@@ -157,7 +169,8 @@ def _script_flag(flag: str) -> bool:
     return flag in _script_flags()
 
 
-PATH = re.compile(r"^(?:\.ci/|runtime/|calib/|csrc/|benchmarks/|tools/|tests/|docs/|profiles/)[\w./*{},-]*$")
+PATH = re.compile(r"^(?:(?:\.ci/|runtime/|calib/|csrc/|benchmarks/|tools/|tests/|docs/|profiles/|shared/)[\w./*{},-]*"
+                  r"|setup\.py|pyproject\.toml|README\.md)$")
 
 
 def test_every_file_named_exists():
@@ -176,12 +189,17 @@ def test_every_file_named_exists():
 
 def _anchors(path: str) -> set[str]:
     """GitHub's heading slugs: lower case, punctuation dropped, spaces to hyphens."""
-    out = set()
+    out, fenced = set(), False
     with open(path, encoding="utf-8") as f:
         for line in f:
-            if line.startswith("#"):
+            fenced ^= line.lstrip().startswith("```")
+            if line.startswith("#") and not fenced:
                 title = line.lstrip("#").strip().lower()
-                out.add(re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", title)))
+                slug = re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", title))
+                n = 0
+                while (slug if n == 0 else f"{slug}-{n}") in out:  # a repeated heading gets -1, -2, …
+                    n += 1
+                out.add(slug if n == 0 else f"{slug}-{n}")
     return out
 
 
@@ -260,3 +278,36 @@ def test_each_benchmark_backs_a_named_claim_and_has_help():
         if help_flags(path) is None:
             problems.append(f"{name}: --help fails")
     assert not problems, "\n".join(problems)
+
+
+def _section(path: str, anchor: str) -> str:
+    """A page's text from the heading with ``anchor`` to the next heading of its level or above."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            if re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", title)) == anchor:
+                level = len(line) - len(line.lstrip("#"))
+                end = next((j for j in range(i + 1, len(lines))
+                            if lines[j].startswith("#") and len(lines[j]) - len(lines[j].lstrip("#")) <= level), len(lines))
+                return "\n".join(lines[i:end])
+    return ""
+
+
+def test_readme_results_quote_their_sections():
+    """Every figure in a README results row appears in the section the row links to."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    refs = dict(re.findall(r"^\[(\w+)\]:\s*(\S+)", text, flags=re.M))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and re.search(r"\]\[\w+\] \|$", line)]
+    assert len(rows) >= 4
+    missing = []
+    for row in rows:
+        ref = re.search(r"\]\[(\w+)\] \|$", row).group(1)
+        page, _, anchor = refs[ref].partition("#")
+        section = _section(os.path.join(ROOT, page), anchor)
+        assert section, f"{refs[ref]}: no such section"
+        result = row.split("|")[2]
+        for number in re.findall(r"\d+\.\d+", result):
+            if number not in section:
+                missing.append(f"{number} ({row.split('|')[1].strip()}) not in {refs[ref]}")
+    assert not missing, "\n".join(missing)

@@ -1,8 +1,9 @@
 """`s2moe chat`: an interactive conversation with the model in the terminal.
 
 Each turn renders the whole history (system message, earlier turns, the new user message) with the
-model's chat template, as `s2moe serve` does (runtime/serve/chat.py: tokenizer_config.json's Jinja
-template in a sandbox, else the messages joined by newlines, which needs no jinja2), and decodes the
+model's chat template, as `s2moe serve` does (runtime/serve/chat.py: --chat-template, the GGUF's
+tokenizer.chat_template or tokenizer_config.json's, in a Jinja sandbox; else the messages joined by
+newlines, which needs no jinja2), and decodes the
 reply from a fresh prefill of that text: the decoder starts a new KV cache per generation, so the
 history is re-read every turn (exact; a prefix cache would save the prefill, not change the text).
 The reply streams on stdout; one line on stderr gives its tokens, decode tok/s, acceptance and the
@@ -37,7 +38,7 @@ import typer
 
 from . import run as _run
 from . import serve as _serve
-from .common import resolve_model, say
+from .common import say
 from .errors import cli_errors
 
 # run's options that have no meaning in an interactive session
@@ -104,35 +105,14 @@ class Session:
     """The engine, decoder, tokenizer and template of one chat, built as `s2moe run` builds them."""
 
     def __init__(self, o):
-        from ..decoding.estimate import estimate_costs
-        from ..decoding.methods import get_method
         from ..decoding.speculative import SpeculativeDecoder
-        from ..kernels.backend import select_backend
         from ..model.kv_cache import resolve_cache_type
-        from ..model.loader import load_model
         from ..model.tokenizer import load_tokenizer
         from ..serve.chat import load_chat_template
-        from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings, say_strength_note
 
         self.o, self.engine = o, None
-        spec = get_method(o.method, share_kv=False if o.no_share_kv else None, reuse_gating=False if o.no_rg else None)
-        if o.no_rg and not get_method(o.method).reuse_gating:
-            say(f"note: --no-rg has no effect: --method {o.method} does not use reuse-aware gating", "yellow")
-        arrays = select_backend(o.backend)
-        loaded = load_model(resolve_model(o.model), dense=False)
+        spec, arrays, loaded, params, chosen, settings = _run.decoding_setup(o)
         c = loaded.config
-        params = _run.sampling_defaults(loaded, o.temperature, o.top_k, o.top_p, o.min_p, o.seed, o.sampler)
-        chosen = apply_profile(o.profile, loaded, o.budget, o.hot_experts)
-        settings = make_settings(c, o.draft_topk, o.draft_cap, o.reuse_cap, o.utility_threshold, o.rg_variant,
-                                 chosen.profile, rg_residency=o.rg_residency, rg_strength=o.rg_strength,
-                                 draft_fallback=o.draft_fallback, draft_resident=not o.draft_any_expert,
-                                 prefetch=not o.no_prefetch, prefetch_slots=o.prefetch_slots,
-                                 prefetch_always=o.always_prefetch, acceptance=o.acceptance,
-                                 draft_vocab=o.draft_vocab, token_ranks=o.token_ranks,
-                                 ae_lookahead=o.ae_lookahead, rate_guard=not o.no_rate_guard)
-        if spec.admit != "none":
-            check_draft_vocab(loaded, settings, o.draft_vocab)
-        say_strength_note(settings, spec.reuse_gating)
         self.tok = load_tokenizer(loaded, o.tokenizer)
         self.template = load_chat_template(loaded.path, o.chat_template)  # before the engine: fail fast
         if o.ctx_size:
@@ -146,12 +126,7 @@ class Session:
             cache_policy=o.cache_policy, emulate_bandwidth=o.emulate_bandwidth, emulate_latency=o.emulate_latency,
             offload_tier=o.offload_tier, expert_budget=o.expert_budget, kernels=o.kernels, threads=o.threads,
             memory_limit=o.memory_limit, cache_type=o.cache_type, load=o.load)
-        costs = chosen.profile.costs if chosen.profile is not None else None
-        if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
-            costs = estimate_costs(self.engine.model, self.tok.encode("def main():\n    return 0\n").ids,
-                                   _run.settings_policy(settings),
-                                   draft_head=self.engine.model.draft_head(settings.draft_vocab, settings.token_ranks))
-            say(f"no --profile: estimated cost constants at start-up from timed passes: {describe_costs(costs)}", "dim")
+        costs = _run.start_costs(self.engine, spec, settings, chosen, self.tok.encode("def main():\n    return 0\n").ids)
         self.decoder = SpeculativeDecoder(self.engine.model, spec, settings, costs or _run._unused_costs(), params,
                                           live=costs is not None and not o.no_live_costs)
         self.stop_ids = () if o.ignore_eos else tuple(c.eos_token_ids)

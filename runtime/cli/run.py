@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -68,16 +69,11 @@ def run(
     record_passes: Optional[str] = typer.Option(None, "--record-passes", help="Write the run's timed passes here, for s2moe-calib profile --update PROFILE --passes FILE."),
 ):
     """Generate text with the model (S²-MoE self-speculative decoding by default)."""
+    o = SimpleNamespace(**locals())  # the flags, as decoding_setup (shared with chat) reads them
     with cli_errors():
-        from ..kernels.backend import select_backend
-        from ..decoding.estimate import estimate_costs
-        from ..model.loader import load_model
-        from ..decoding.methods import get_method
         from ..decoding.speculative import SpeculativeDecoder
         from ..model.tokenizer import load_tokenizer
-        from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings, say_strength_note
 
-        spec = get_method(method, share_kv=False if no_share_kv else None, reuse_gating=False if no_rg else None)
         text_in = read_prompt(prompt, prompt_file)
         from ..errors import UsageError
         from ..outputs import check_output
@@ -87,21 +83,7 @@ def run(
                 check_output(path, flag)
         if trace_path and record_passes and os.path.abspath(trace_path) == os.path.abspath(record_passes):
             raise UsageError(f"--trace and --record-passes both name {trace_path}; give them different files")
-        if no_rg and not get_method(method).reuse_gating:
-            say(f"note: --no-rg has no effect: --method {method} does not use reuse-aware gating", "yellow")
-        arrays = select_backend(backend)
-        loaded = load_model(resolve_model(model), dense=False)  # the engine plans memory, then loads
-        params = sampling_defaults(loaded, temperature, top_k, top_p, min_p, seed, sampler)
-        chosen = apply_profile(profile, loaded, budget, hot_experts)
-        settings = make_settings(loaded.config, draft_topk, draft_cap, reuse_cap, utility_threshold, rg_variant,
-                                 chosen.profile, rg_residency=rg_residency, rg_strength=rg_strength, draft_fallback=draft_fallback,
-                                 draft_resident=not draft_any_expert, prefetch=not no_prefetch, prefetch_slots=prefetch_slots,
-                                 prefetch_always=always_prefetch,
-                                 acceptance=acceptance, draft_vocab=draft_vocab, token_ranks=token_ranks,
-                                 ae_lookahead=ae_lookahead, rate_guard=not no_rate_guard)
-        if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
-            check_draft_vocab(loaded, settings, draft_vocab)
-        say_strength_note(settings, spec.reuse_gating)
+        spec, arrays, loaded, params, chosen, settings = decoding_setup(o)
         tok = load_tokenizer(loaded, tokenizer)
         ids = tok.encode(text_in).ids
         if not ids:
@@ -115,12 +97,7 @@ def run(
                              emulate_latency=emulate_latency, offload_tier=offload_tier,
                              expert_budget=expert_budget, kernels=kernels, threads=threads,
                              memory_limit=memory_limit, prompt_tokens=len(ids), cache_type=cache_type, load=load)
-        costs = chosen.profile.costs if chosen.profile is not None else None
-        if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
-            costs = estimate_costs(engine.model, ids, settings_policy(settings),
-                                   draft_head=engine.model.draft_head(settings.draft_vocab, settings.token_ranks))
-            say(f"no --profile: estimated cost constants at start-up from timed passes: "
-                      f"{describe_costs(costs)}", "dim")
+        costs = start_costs(engine, spec, settings, chosen, ids)
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), params,
                                      live=costs is not None and not no_live_costs)
         stream = _Streamer(tok) if not json_out else None
@@ -158,6 +135,47 @@ def run(
 
 
 DRIFT = 0.10  # live constants this far from the profile's: say so
+
+
+def decoding_setup(o):
+    """What run and chat build from the same flags (``o``: their values by parameter name) before
+    the engine: (method spec, backend, model refs, sampling, profile choice, settings)."""
+    from ..decoding.methods import get_method
+    from ..kernels.backend import select_backend
+    from ..model.loader import load_model
+    from .spec_options import apply_profile, check_draft_vocab, make_settings, say_strength_note
+
+    spec = get_method(o.method, share_kv=False if o.no_share_kv else None, reuse_gating=False if o.no_rg else None)
+    if o.no_rg and not get_method(o.method).reuse_gating:
+        say(f"note: --no-rg has no effect: --method {o.method} does not use reuse-aware gating", "yellow")
+    arrays = select_backend(o.backend)
+    loaded = load_model(resolve_model(o.model), dense=False)  # the engine plans memory, then loads
+    params = sampling_defaults(loaded, o.temperature, o.top_k, o.top_p, o.min_p, o.seed, o.sampler)
+    chosen = apply_profile(o.profile, loaded, o.budget, o.hot_experts)
+    settings = make_settings(loaded.config, o.draft_topk, o.draft_cap, o.reuse_cap, o.utility_threshold,
+                             o.rg_variant, chosen.profile, rg_residency=o.rg_residency, rg_strength=o.rg_strength,
+                             draft_fallback=o.draft_fallback, draft_resident=not o.draft_any_expert,
+                             prefetch=not o.no_prefetch, prefetch_slots=o.prefetch_slots,
+                             prefetch_always=o.always_prefetch, acceptance=o.acceptance, draft_vocab=o.draft_vocab,
+                             token_ranks=o.token_ranks, ae_lookahead=o.ae_lookahead, rate_guard=not o.no_rate_guard)
+    if spec.admit != "none":  # AR drafts nothing: no draft head to check (nor to build)
+        check_draft_vocab(loaded, settings, o.draft_vocab)
+    say_strength_note(settings, spec.reuse_gating)
+    return spec, arrays, loaded, params, chosen, settings
+
+
+def start_costs(engine, spec, settings, chosen, ids):
+    """The profile's cost constants, else (for a method that prices drafts or gates) ones estimated
+    now from timed passes over ``ids``; None where nothing needs them."""
+    from ..decoding.estimate import estimate_costs
+    from .spec_options import describe_costs
+
+    costs = chosen.profile.costs if chosen.profile is not None else None
+    if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
+        costs = estimate_costs(engine.model, ids, settings_policy(settings),
+                               draft_head=engine.model.draft_head(settings.draft_vocab, settings.token_ranks))
+        say(f"no --profile: estimated cost constants at start-up from timed passes: {describe_costs(costs)}", "dim")
+    return costs
 
 
 def write_pass_log(path: str, decoder, loaded, backend: str, engine, budget: str | None) -> None:
