@@ -47,7 +47,8 @@ def run(a) -> None:
         call(bench + ["--methods", "ar,s2moe", "--budget", b, "--trace", o(f"trace-{b}.json"),
                       "--json", o(f"real-{b}.json")], o(f"real-{b}.log"))
     call(["s2moe-calib", "profile", "--device", "cpu", *model, "--budget", a.budgets[0], *emulate,
-          "--samples", "80", "--rounds", "5", "--n-prompts", str(a.profile_prompts), "--out", o("emu-profile.json")],
+          "--samples", "80", "--rounds", "5", "--n-prompts", str(a.profile_prompts), "--out", o("emu-profile.json"),
+          *(["--draft-topk", str(a.draft_topk)] if a.draft_topk else [])],
          o("profile.log"))
     def predict(trace: str, b: str, prefix: str = "") -> None:  # re-made, and priced as recorded
         for name, extra in ((f"{prefix}predict-{b}.json", []), (f"{prefix}recorded-{b}.json", ["--as-recorded"])):
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--model", help="the traced model (default: the embedded one; tools/widen_model.py makes "
                     "the real-size one)")
     ap.add_argument("--budgets", default="0.25,0.1")
+    ap.add_argument("--draft-topk", type=int, default=None,
+                    help="the profile's draft k, instead of measuring every k (saves most of a real-size profile)")
     ap.add_argument("--workload", default="humaneval")
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
