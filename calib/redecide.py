@@ -19,8 +19,9 @@ under a slow tier AE drafts far more. Priced as recorded, the default model's S�
   ones verification uses first; the prefetch slots' limit is not modelled).
 
 Prices as `predict.replay`: a verification t_base + t_token·n + t_exp_miss·misses + t_exp_hit·hits,
-an AR step that price scaled to the profile's T_AR (`ar_step_scale`), a draft pass C_draft. What stays as recorded: the drafts and the gating's choices, made with this
-device's cache residency at recording time; and the text (AR's, which gating may change).
+an AR step that price scaled to the profile's T_AR (`ar_step_scale`), a draft pass C_draft. What
+stays as recorded: the drafts and the gating's choices, made with this device's cache residency at
+recording time; and the text (AR's, which gating may change).
 """
 
 from __future__ import annotations
