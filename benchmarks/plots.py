@@ -145,6 +145,10 @@ def time_split(plt, out: str) -> str:
 
 
 def predicted_vs_measured(plt, out: str) -> str:
+    import numpy as np
+
+    from s2moe.runtime.decoding.cost_model import mape, r2
+
     path_in = os.path.join(RESULTS, "calibration-olmoe-widened-revalidate.json")
     with open(path_in) as f:
         res = json.load(f)
@@ -162,10 +166,11 @@ def predicted_vs_measured(plt, out: str) -> str:
     if ratio:  # the speed probe saw the machine move since the profile: the same model, rescaled
         drift = [p.get("drift", ratio) for p in res["passes"]]  # per pass where validate kept it
         scaled = [q * d for q, d in zip(pred, drift)]
+        q = np.array(scaled)  # the scores validate uses (cost_model.r2 / mape)
         label = (f"× the speed probe's drift (median {statistics.median(drift):.3f})"
                  if "drift" in res["passes"][0] else f"× {ratio:.3f}, the speed probe's drift")
         ax.scatter(meas, scaled, s=10, facecolors="none", edgecolors="#c44e52", alpha=0.6, label=label)
-        title += f"\nscaled by the drift: R² {_r2(meas, scaled):.3f}, MAPE {_mape(meas, scaled):.1f} %"
+        title += f"\nscaled by the drift: R² {r2(meas, q):.3f}, MAPE {100 * mape(meas, q):.1f} %"
     lo, hi = min(meas + pred), max(meas + pred)
     ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = measured")
     ax.set_xlabel("measured verification pass (ms)")
@@ -179,15 +184,6 @@ def predicted_vs_measured(plt, out: str) -> str:
     save(fig, path)
     plt.close(fig)
     return path
-
-
-def _r2(y: list[float], q: list[float]) -> float:
-    mean = statistics.fmean(y)
-    return 1 - sum((a - b) ** 2 for a, b in zip(y, q)) / sum((a - mean) ** 2 for a in y)
-
-
-def _mape(y: list[float], q: list[float]) -> float:
-    return 100 * statistics.fmean(abs(a - b) / a for a, b in zip(y, q))
 
 
 def save(fig, path: str) -> str:

@@ -45,7 +45,6 @@ def serve(
             raise UsageError(f"s2moe serve needs {exc.name}: pip install 's2moe[serve]'") from None
         import os
 
-        from ..decoding.estimate import estimate_costs
         from ..decoding.methods import get_method
         from ..decoding.speculative import SpeculativeDecoder
         from ..kernels.backend import select_backend
@@ -53,9 +52,9 @@ def serve(
         from ..model.tokenizer import load_tokenizer
         from ..serve.chat import load_chat_template
         from ..serve.worker import Worker
-        from .run import _unused_costs, open_engine, settings_policy
+        from .run import _unused_costs, open_engine, start_costs
         from ..model.kv_cache import resolve_cache_type
-        from .spec_options import apply_profile, check_draft_vocab, describe_costs, make_settings
+        from .spec_options import apply_profile, check_draft_vocab, make_settings
 
         spec = get_method(method, reuse_gating=False if no_rg else None)
         loaded = load_model(resolve_model(model), dense=False)
@@ -76,11 +75,7 @@ def serve(
                              batch=max(64, 1 + 2 * settings.draft_cap), cache_policy="lfu", emulate_bandwidth=None,
                              emulate_latency=0.0, offload_tier=None, expert_budget=expert_budget, kernels=kernels,
                              threads=threads, cache_type=cache_type, load=load)
-        costs = chosen.profile.costs if chosen.profile is not None else None
-        if costs is None and (spec.admit in ("utility", "cascade") or spec.reuse_gating):
-            costs = estimate_costs(engine.model, tok.encode("def main():\n    return 0\n").ids, settings_policy(settings),
-                                   draft_head=engine.model.draft_head(settings.draft_vocab, settings.token_ranks))
-            say(f"no --profile: estimated cost constants at start-up: {describe_costs(costs)}", "dim")
+        costs = start_costs(engine, spec, settings, chosen, tok.encode("def main():\n    return 0\n").ids)
         decoder = SpeculativeDecoder(engine.model, spec, settings, costs or _unused_costs(), live=costs is not None)
         label = name or os.path.basename(os.path.normpath(loaded.path))
         worker = Worker(engine, decoder, tok, c.eos_token_ids, context, label)
