@@ -56,8 +56,13 @@ PRESETS = {
                              rope_theta=10000.0, kv_lora=512, rope_dim=64, v_dim=128, dense_layers=1,
                              dense_ffn=10944, shared=2, yarn=(40.0, 4096), mscale=0.707),
 }
-# Types written directly; the mixes go through llama-quantize
-DIRECT = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4")
+# Types written directly; the mixes go through llama-quantize. Q4_K_MIX is written directly too:
+# Q4_K with Q6_K for the experts' down projections, attn_v and the output, the tensors Q4_K_M
+# raises (it raises half the layers' down projections; this every layer): a file with Q4_K_M's
+# two types and no llama.cpp build (the GPU benchmark, tests)
+DIRECT = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4",
+          "Q4_K_MIX")
+_MIX_Q6_K = ("ffn_down_exps.weight", "attn_v.weight", "output.weight")
 MIXES = ("Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M")
 # Where each type keeps its f16 block scale, and its min's scale if any (the rest: codes, sub-scales)
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
@@ -174,12 +179,14 @@ def _deepseek2(p: dict):
         yield b + "ffn_down_shexp.weight", (H, S), "weight"
 
 
-def stored_type(dtype: str, kind: str, row: int) -> str:
+def stored_type(dtype: str, kind: str, row: int, name: str = "") -> str:
     """The type a tensor is written in: ``dtype``, MXFP4 for the experts only (as the released
     GPT-OSS files: the rest Q8_0), and Q8_0 where a row is not whole blocks of ``dtype`` (as
     llama-quantize falls back: GPT-OSS's 2880, DeepSeek's 128-wide k_b)."""
     from s2moe.runtime.kernels.stored import BLOCKS
 
+    if dtype == "Q4_K_MIX":
+        dtype = "Q6_K" if name.endswith(_MIX_Q6_K) else "Q4_K"
     if dtype == "MXFP4" and kind != "expert":
         dtype = "Q8_0"
     return dtype if row % BLOCKS[dtype][0] == 0 else "Q8_0"
@@ -212,10 +219,12 @@ def _metadata(w, p: dict) -> None:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
 
 
-def write(preset: str, dtype: str, out: str, seed: int = 0, progress=None, aligned: bool = True) -> str:
+def write(preset: str, dtype: str, out: str, seed: int = 0, progress=None, aligned: bool = True,
+          override: dict | None = None) -> str:
     """Write ``preset`` with every weight matrix stored as ``dtype`` (one of DIRECT) to ``out``, its
     tensors on page boundaries (``aligned``: as `s2moe convert` writes, so O_DIRECT reads hold each
-    expert at its stored size) or on GGUF's default 32 bytes."""
+    expert at its stored size) or on GGUF's default 32 bytes. ``override`` replaces preset fields
+    (``layers``, ``vocab``: a real-shaped layer in a small file)."""
     import gguf
 
     from s2moe.runtime.cli.common import DEFAULT_MODEL
@@ -224,7 +233,7 @@ def write(preset: str, dtype: str, out: str, seed: int = 0, progress=None, align
     from s2moe.runtime.model.formats.gguf_writer import ALIGNMENT, _drop_written
     from s2moe.runtime.outputs import publish, temp_beside
 
-    p = PRESETS[preset]
+    p = {**PRESETS[preset], **(override or {})}
     rng = np.random.default_rng(seed)
     tmp = temp_beside(out, ".gguf.tmp")
     try:
@@ -252,7 +261,7 @@ def write(preset: str, dtype: str, out: str, seed: int = 0, progress=None, align
         if aligned:
             w.add_custom_alignment(ALIGNMENT)
         planned = list(tensors(p))
-        types = {name: stored_type(dtype, kind, shape[-1]) for name, shape, kind in planned}
+        types = {name: stored_type(dtype, kind, dims[-1], name) for name, dims, kind in planned}
         units: dict[str, float] = {}
         for name, shape, kind in planned:
             if kind in ("weight", "expert", "embed"):

@@ -2,11 +2,14 @@
 // norms, projections, RoPE + KV write, attention and grouped experts into 8 launches.
 // runtime/kernels/device.py checks every limit on the host and takes the op-by-op path beyond them.
 //
-// Every thread computes its outputs alone (no shared memory, no barriers): the CPU stand-in runs a
-// block's threads one after another, and these serve decode and verification passes (a few tokens),
-// where launches, not arithmetic, bound the time. Weights are read in their stored type
-// (F32, F16, BF16), converted in registers.
+// Products give each output one warp: its lanes take the row's 32-value units in turn, decode each
+// unit into registers (quant.cuh: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, MXFP4, read as stored)
+// once for every token of the pass, and a shuffle butterfly sums the lanes. A weight byte is read
+// once per pass (1–16 tokens: decode and verification), never written decoded. Attention is
+// split over chunks of the context (one thread each) and merged: long contexts spread out.
 #pragma once
+
+#include "quant.cuh"
 
 #ifndef S2_HD
 #ifdef __CUDACC__
@@ -20,31 +23,18 @@
 #define S2_MAX_HEAD_DIM 256
 #define S2_MAX_TOKENS 16  // MAX_TOKENS in runtime/kernels/device.py
 
-enum S2WeightType { S2_W_F32 = 0, S2_W_F16 = 1, S2_W_BF16 = 2 };
 enum S2QkNorm { S2_QK_NONE = 0, S2_QK_FULL = 1, S2_QK_PER_HEAD = 2 };
 
-S2_HD inline float s2_bits_to_float(unsigned int u) {
-    union { unsigned int u; float f; } c;
-    c.u = u;
-    return c.f;
+#define S2_WARP 32
+#ifdef __CUDACC__
+// v[0..n) summed over the warp's 32 lanes (every lane gets the sums): a butterfly of shuffles.
+__device__ inline void s2_warp_sum(float* v, int n) {
+    for (int i = 0; i < n; ++i)
+        for (int off = S2_WARP / 2; off > 0; off >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
 }
-
-// IEEE half → float, exactly (subnormals, infinities and NaN included).
-S2_HD inline float s2_half_to_float(unsigned short h) {
-    unsigned int sign = (unsigned int)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0x1fu) return s2_bits_to_float(sign | 0x7f800000u | (man << 13));
-    if (exp == 0) {
-        float v = (float)man * 5.9604644775390625e-8f;  // man · 2^-24
-        return sign ? -v : v;
-    }
-    return s2_bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));  // rebias 15 → 127
-}
-
-S2_HD inline float s2_weight(const void* w, long i, int type) {
-    if (type == S2_W_F16) return s2_half_to_float(((const unsigned short*)w)[i]);
-    if (type == S2_W_BF16) return s2_bits_to_float((unsigned int)((const unsigned short*)w)[i] << 16);
-    return ((const float*)w)[i];
-}
+#else
+void s2_warp_sum(float* v, int n);  // the CPU stand-in's (tests/fake_cupy.py): the same butterfly over its fibers
+#endif
 
 // sqrt(mean(x²) + eps) over x [K]: the RMSNorm denominator (x / denom · weight).
 S2_HD inline float s2_rms_denom(const float* x, int K, float eps) {
@@ -53,51 +43,78 @@ S2_HD inline float s2_rms_denom(const float* x, int K, float eps) {
     return sqrtf(ss / K + eps);
 }
 
-// x [K] · row r of a row-major W [·, K].
-S2_HD inline float s2_dot(const float* x, const void* w, int type, long r, int K) {
-    float acc = 0.f;
-    long at = r * K;
-    for (int j = 0; j < K; ++j) acc += x[j] * s2_weight(w, at + j, type);
+// This lane's share of x [K] · the row at ``row`` (type, K values): units lane, lane + 32, …
+// (the warp's lanes together cover the row; s2_warp_sum adds the shares).
+S2_HD inline float s2_lane_dot(const float* x, const unsigned char* row, int type, long K, int lane) {
+    float acc = 0.f, v[S2_UNIT];
+    for (long u = lane; u * S2_UNIT < K; u += S2_WARP) {
+        int n = s2_unit(row, type, K, u, v);
+        const float* xu = x + u * S2_UNIT;
+        for (int i = 0; i < n; ++i) acc += xu[i] * v[i];
+    }
     return acc;
 }
 
 // y [T, n0 + n1 + n2] = x [T, K] · [W0; W1; W2]ᵀ (+ bias per part) (+ residual [T, N]): up to three
-// matrices of one type and layout in one launch (q, k and v). With ``norm`` [K], x is RMSNorm-ed
-// first (each thread normalises the rows itself), and ``xn`` [T, K], when given, receives the
-// normalised rows (the experts' input beside the router logits). One thread per column, for
-// columns up to max(N, K when xn is given), over all T ≤ S2_MAX_TOKENS tokens: a weight is read
-// once per pass, not once per token.
-extern "C" __global__ void s2_linear(const float* x, int T, int K, const float* norm, float eps, float* xn, int type,
-                                     long rs, long cs, const void* w0, const float* b0, int n0, const void* w1,
-                                     const float* b1, int n1, const void* w2, const float* b2, int n2,
+// matrices of one width (q, k and v), each of its own type (t0, t1, t2: a Q4_K_M file mixes Q4_K
+// and Q6_K), in one launch. Rows of block types are whole blocks; a float32 matrix may instead be
+// strided (element (r, j) at r · rs + j · cs: an input-major router). With ``norm`` [K], x is
+// RMSNorm-ed first (each warp sums the squares itself), and ``xn`` [T, K], when given, receives the
+// normalised rows (the experts' input beside the router logits). One warp per column, for columns
+// up to max(N, ⌈K / 32⌉ when xn is given), over all T ≤ S2_MAX_TOKENS tokens.
+extern "C" __global__ void s2_linear(const float* x, int T, int K, const float* norm, float eps, float* xn, long rs,
+                                     long cs, const void* w0, int t0, const float* b0, int n0, const void* w1, int t1,
+                                     const float* b1, int n1, const void* w2, int t2, const float* b2, int n2,
                                      const float* residual, float* y) {
-    long N = (long)n0 + n1 + n2, M = (xn && K > N) ? K : N;
-    long col = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long N = (long)n0 + n1 + n2, units = (K + S2_WARP - 1) / S2_WARP, M = (xn && units > N) ? units : N;
+    long col = ((long)blockIdx.x * blockDim.x + threadIdx.x) / S2_WARP;  // whole warps stay or leave together
+    int lane = threadIdx.x % S2_WARP;
     if (col >= M || T > S2_MAX_TOKENS) return;
     float denom[S2_MAX_TOKENS], acc[S2_MAX_TOKENS];
     for (int t = 0; t < T; ++t) {
-        denom[t] = norm ? s2_rms_denom(x + (long)t * K, K, eps) : 1.f;
         acc[t] = 0.f;
-        if (xn && col < K) xn[(long)t * K + col] = x[(long)t * K + col] / denom[t] * norm[col];
+        if (norm)
+            for (int j = lane; j < K; j += S2_WARP) acc[t] += x[(long)t * K + j] * x[(long)t * K + j];
     }
+    if (norm) s2_warp_sum(acc, T);
+    for (int t = 0; t < T; ++t) denom[t] = norm ? sqrtf(acc[t] / K + eps) : 1.f;
+    long jn = col * S2_WARP + lane;
+    if (xn && jn < K)
+        for (int t = 0; t < T; ++t) xn[(long)t * K + jn] = x[(long)t * K + jn] / denom[t] * norm[jn];
     if (col >= N) return;
     long r = col;
     const void* w = w0;
     const float* b = b0;
+    int type = t0;
     if (r >= n0) {
-        r -= n0, w = w1, b = b1;
-        if (r >= n1) r -= n1, w = w2, b = b2;
+        r -= n0, w = w1, b = b1, type = t1;
+        if (r >= n1) r -= n1, w = w2, b = b2, type = t2;
     }
-    long at = r * rs;
-    for (int j = 0; j < K; ++j, at += cs) {
-        float wv = s2_weight(w, at, type);
-        for (int t = 0; t < T; ++t) {
-            float xv = x[(long)t * K + j];
-            acc[t] += (norm ? xv / denom[t] * norm[j] : xv) * wv;
+    for (int t = 0; t < T; ++t) acc[t] = 0.f;
+    if (cs == 1) {  // row-major: units decoded once, used by every token
+        const unsigned char* row = (const unsigned char*)w + r * s2_row_bytes(type, rs);
+        float v[S2_UNIT];
+        for (long u = lane; u < units; u += S2_WARP) {
+            int n = s2_unit(row, type, K, u, v);
+            if (norm)
+                for (int i = 0; i < n; ++i) v[i] *= norm[u * S2_UNIT + i];
+            for (int t = 0; t < T; ++t) {
+                const float* xu = x + (long)t * K + u * S2_UNIT;
+                float s = 0.f;
+                for (int i = 0; i < n; ++i) s += xu[i] * v[i];
+                acc[t] += s;
+            }
+        }
+    } else {  // a strided float32 matrix
+        for (long j = lane; j < K; j += S2_WARP) {
+            float wv = ((const float*)w)[r * rs + j * cs] * (norm ? norm[j] : 1.f);
+            for (int t = 0; t < T; ++t) acc[t] += x[(long)t * K + j] * wv;
         }
     }
+    s2_warp_sum(acc, T);
+    if (lane) return;
     for (int t = 0; t < T; ++t) {
-        float v = acc[t];
+        float v = acc[t] / denom[t];
         if (b) v += b[r];
         if (residual) v = residual[(long)t * N + col] + v;
         y[(long)t * N + col] = v;
@@ -113,11 +130,11 @@ extern "C" __global__ void s2_rms_norm(const float* x, const float* w, int T, in
     for (int j = 0; j < H; ++j) y[(long)t * H + j] = row[j] / denom * w[j];
 }
 
-// y [T, H] = rows ids [T] (int64) of the table W [V, H], converted to float32.
+// y [T, H] = rows ids [T] (int64) of the table W [V, H] (any weight type), decoded to float32.
 extern "C" __global__ void s2_embed(const void* w, int type, const long long* ids, int T, int H, float* y) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)T * H) return;
-    y[i] = s2_weight(w, ids[i / H] * H + i % H, type);
+    y[i] = s2_value((const unsigned char*)w + ids[i / H] * s2_row_bytes(type, H), type, H, i % H);
 }
 
 // From qkv [T, (nh + 2·nkv)·D] (s2_linear's q | k | v), one thread per (token, q or k head):
@@ -248,32 +265,41 @@ extern "C" __global__ void s2_attend_merge(const float* part, int T, int nh, int
 
 // Grouped experts. ``table`` (int64, one upload per group of experts) holds, for P (token, expert)
 // pairs sorted by token: [3P] device addresses of the pair's gate [I, H], up [I, H] and down [H, I]
-// weights, [P] the pair's token, [P] its mixture weight (float64 bits), [T + 1] each token's first pair.
+// weights, [P] the pair's token, [P] its mixture weight (float64 bits), [P] the three matrices'
+// types (gate | up << 8 | down << 16), [T + 1] each token's first pair.
 
-// hidden [P, I] = silu(x[t] · gate) · (x[t] · up), one thread per (pair, row).
-extern "C" __global__ void s2_experts_gate_up(const float* x, int H, int I, int P, int type, const long long* table,
+// hidden [P, I] = silu(x[t] · gate) · (x[t] · up), one warp per (pair, row).
+extern "C" __global__ void s2_experts_gate_up(const float* x, int H, int I, int P, const long long* table,
                                               float* hidden) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long)P * I) return;
-    long p = i / I, r = i % I;
+    long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / S2_WARP;
+    int lane = threadIdx.x % S2_WARP;
+    if (warp >= (long)P * I) return;
+    long p = warp / I, r = warp % I;
     const float* xt = x + table[3L * P + p] * H;
-    float g = s2_dot(xt, (const void*)table[3 * p], type, r, H);
-    float u = s2_dot(xt, (const void*)table[3 * p + 1], type, r, H);
-    hidden[i] = g / (1.f + expf(-g)) * u;
+    int types = (int)table[5L * P + p], tg = types & 0xff, tu = (types >> 8) & 0xff;
+    float gu[2] = {s2_lane_dot(xt, (const unsigned char*)table[3 * p] + r * s2_row_bytes(tg, H), tg, H, lane),
+                   s2_lane_dot(xt, (const unsigned char*)table[3 * p + 1] + r * s2_row_bytes(tu, H), tu, H, lane)};
+    s2_warp_sum(gu, 2);
+    if (lane == 0) hidden[warp] = gu[0] / (1.f + expf(-gu[0])) * gu[1];
 }
 
-// out [T, H] = base + Σ over the token's pairs of weight · (hidden[p] · down), one thread per
+// out [T, H] = base + Σ over the token's pairs of weight · (hidden[p] · down), one warp per
 // output, pairs in table order (one scatter-add per group, no atomics: the sum is deterministic).
 // base may be out itself (a later group of the same layer).
-extern "C" __global__ void s2_experts_down(const float* hidden, int H, int I, int T, int P, int type,
-                                           const long long* table, const float* base, float* out) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long)T * H) return;
-    long t = i / H, j = i % H;
+extern "C" __global__ void s2_experts_down(const float* hidden, int H, int I, int T, int P, const long long* table,
+                                           const float* base, float* out) {
+    long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / S2_WARP;
+    int lane = threadIdx.x % S2_WARP;
+    if (warp >= (long)T * H) return;
+    long t = warp / H, j = warp % H;
     const double* mix = (const double*)(table + 4L * P);
-    const long long* first = table + 5L * P;
+    const long long* first = table + 6L * P;
     float sum = 0.f;
-    for (long long p = first[t]; p < first[t + 1]; ++p)
-        sum += (float)mix[p] * s2_dot(hidden + p * I, (const void*)table[3 * p + 2], type, j, I);
-    out[i] = base[i] + sum;
+    for (long long p = first[t]; p < first[t + 1]; ++p) {
+        int td = (int)(table[5L * P + p] >> 16) & 0xff;
+        const unsigned char* row = (const unsigned char*)table[3 * p + 2] + j * s2_row_bytes(td, I);
+        sum += (float)mix[p] * s2_lane_dot(hidden + p * I, row, td, I, lane);
+    }
+    s2_warp_sum(&sum, 1);
+    if (lane == 0) out[warp] = base[warp] + sum;
 }

@@ -2,6 +2,7 @@
 // kernels run, called over host arrays, so CI without a GPU checks them against NumPy.
 #include <vector>
 
+#include "quant.cuh"
 #include "routing.cuh"
 
 extern "C" {
@@ -28,5 +29,11 @@ int s2_host_reuse_gating(const float* logits, const float* confidence, int B, in
                      ids + (long)b * k, weights + (long)b * k);
     }
     return n_pref;
+}
+
+// out [N, K] = the rows of a stored matrix, decoded unit by unit as the device kernels decode them.
+void s2_host_dequant(const unsigned char* w, int type, long N, long K, float* out) {
+    for (long r = 0; r < N; ++r)
+        for (long u = 0; u * S2_UNIT < K; ++u) s2_unit(w + r * s2_row_bytes(type, K), type, K, u, out + r * K + u * S2_UNIT);
 }
 }

@@ -30,6 +30,7 @@ def library():
                                          ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
                                          _i32, _f32]
     lib.s2_host_reuse_gating.restype = ctypes.c_int
+    lib.s2_host_dequant.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, _f32]
     return lib
 
 
@@ -57,3 +58,11 @@ def reuse_gating(logits, k, cap, variant, strength, kind, renorm, confidence=Non
     n = library().s2_host_reuse_gating(logits, _ptr(conf), B, E, k, cap, {"paper": 0, "code": 1}[variant],
                                        strength, {"softmax_topk": 0, "topk_softmax": 1}[kind], int(renorm), ids, w)
     return n, ids, w
+
+
+def dequant(data: np.ndarray, type_id: int, N: int, K: int) -> np.ndarray:
+    """The rows of stored bytes ``data`` as the device kernels decode them (csrc/quant.cuh)."""
+    out = np.zeros((N, K), np.float32)
+    data = np.ascontiguousarray(data, np.uint8)
+    library().s2_host_dequant(data.ctypes.data_as(ctypes.c_void_p), type_id, N, K, out)
+    return out

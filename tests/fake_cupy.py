@@ -327,16 +327,158 @@ def RawKernel(code: str, name: str, options=(), **_):
 
 # The CUDA source itself, run on the CPU: g++ compiles the string CuPy was given (so it must be
 # self-contained: headers inlined) with a shim that makes __global__ functions plain functions and
-# __shared__ variables statics, and a launcher per kernel runs block after block, thread after
-# thread. __syncthreads() is a no-op, so this is faithful for kernels whose threads only read after
-# a barrier what thread 0 wrote before it (ours): a schedule CUDA may also choose.
-_SHIM = """
+# __shared__ variables statics. A launcher per kernel runs block after block; a block's threads
+# run as fibers (a register switch; ucontext elsewhere), each until it ends or waits: at __syncthreads() for the block, at
+# s2_warp_sum (the shuffle butterfly of decode.cuh) for its warp. Waiters go on when every live
+# thread of their block (warp) waits, so cooperation is checked as CUDA runs it, not assumed: a
+# warp sum missing a lane that has returned, or a deadlock, aborts the test run with a message.
+_SHIM = r"""
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
 struct s2_dim3 { unsigned x, y, z; };
 static s2_dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __global__
 #define __shared__ static
-static inline void __syncthreads() {}
+namespace emu {
+enum { READY, AT_WARP, AT_BLOCK, DONE };
+const int SLOTS = 64;  // values one lane adds in one s2_warp_sum
+const size_t STACK = 128 << 10;
+static std::function<void()> body;
+static int cur;
+[[noreturn]] static void fail(const char* what) {
+    std::fprintf(stderr, "fake_cupy emulation: %s (block %u, thread %d)\n", what, blockIdx.x, cur);
+    std::abort();
+}
+}  // namespace emu
+#if defined(__x86_64__)
+// A fiber switch: push the callee-saved registers, swap stacks, pop (ucontext's switch makes a
+// system call for the signal mask each time: ~50x slower, and decoding runs millions of them).
+extern "C" void emu_switch(void** save_sp, void* next_sp);
+asm(".text\n.p2align 4\n.globl emu_switch\n.hidden emu_switch\n.type emu_switch,@function\nemu_switch:\n"
+    "pushq %rbp\npushq %rbx\npushq %r12\npushq %r13\npushq %r14\npushq %r15\nmovq %rsp, (%rdi)\nmovq %rsi, %rsp\n"
+    "popq %r15\npopq %r14\npopq %r13\npopq %r12\npopq %rbx\npopq %rbp\nret\n");
+namespace emu {
+struct Fiber { void* sp; int state; };
+static void* sched;
+static std::vector<Fiber> fibers;
+static void start();
+static void prepare(unsigned t, char* top) {  // the first switch to the fiber "returns" into start()
+    void** sp = (void**)(((unsigned long)top & ~15UL) - 64);
+    for (int i = 0; i < 6; ++i) sp[i] = nullptr;
+    sp[6] = (void*)&start;
+    sp[7] = nullptr;
+    fibers[t].sp = sp;
+}
+static inline void resume(unsigned t) { emu_switch(&sched, fibers[t].sp); }
+static inline void yield() { emu_switch(&fibers[cur].sp, sched); }
+}  // namespace emu
+#else
+#include <ucontext.h>
+namespace emu {
+struct Fiber { ucontext_t ctx; int state; };
+static ucontext_t sched;
+static std::vector<Fiber> fibers;
+static void start();
+static void prepare(unsigned t, char* top) {
+    getcontext(&fibers[t].ctx);
+    fibers[t].ctx.uc_stack.ss_sp = top - STACK;
+    fibers[t].ctx.uc_stack.ss_size = STACK;
+    fibers[t].ctx.uc_link = nullptr;
+    makecontext(&fibers[t].ctx, start, 0);
+}
+static inline void resume(unsigned t) { swapcontext(&sched, &fibers[t].ctx); }
+static inline void yield() { swapcontext(&fibers[cur].ctx, &sched); }
+}  // namespace emu
+#endif
+namespace emu {
+static std::vector<char> stacks;
+static std::vector<float> slots, sums;
+static std::vector<int> reads;  // per warp: lanes that have read the current sums
+static void start() {
+    body();
+    fibers[cur].state = DONE;
+    yield();  // never resumed
+    fail("a finished fiber resumed");
+}
+static void wait(int kind) {
+    fibers[cur].state = kind;
+    yield();
+}
+static void launch(unsigned gx, unsigned bx) {
+    gridDim = {gx, 1, 1}; blockDim = {bx, 1, 1};
+    fibers.resize(bx);
+    if (stacks.size() < bx * STACK) stacks.resize(bx * STACK);
+    slots.resize((size_t)bx * SLOTS);
+    sums.resize((size_t)bx * SLOTS);
+    reads.assign((bx + 31) / 32, 0);
+    for (unsigned b = 0; b < gx; ++b) {
+        blockIdx = {b, 0, 0};
+        for (unsigned t = 0; t < bx; ++t) {
+            prepare(t, stacks.data() + (t + 1) * STACK);
+            fibers[t].state = READY;
+        }
+        for (;;) {
+            for (unsigned t = 0; t < bx; ++t)
+                if (fibers[t].state == READY) {
+                    cur = (int)t; threadIdx = {t, 0, 0};
+                    resume(t);
+                }
+            bool live = false, released = false, block = true;
+            for (unsigned w = 0; w < bx; w += 32) {  // a warp whose live lanes all wait at its sum goes on
+                bool all = true, any = false;
+                for (unsigned t = w; t < w + 32 && t < bx; ++t) {
+                    int st = fibers[t].state;
+                    if (st == DONE) continue;
+                    any = true; all &= st == AT_WARP;
+                }
+                if (any && all)
+                    for (unsigned t = w; t < w + 32 && t < bx; ++t)
+                        if (fibers[t].state == AT_WARP) fibers[t].state = READY, released = true;
+            }
+            for (unsigned t = 0; t < bx; ++t) {
+                if (fibers[t].state != DONE) live = true;
+                if (fibers[t].state != DONE && fibers[t].state != AT_BLOCK) block = false;
+            }
+            if (!live) break;
+            if (block)
+                for (unsigned t = 0; t < bx; ++t)
+                    if (fibers[t].state == AT_BLOCK) fibers[t].state = READY, released = true;
+            if (!released) fail("deadlock: threads wait at barriers that can never open");
+        }
+    }
+}
+}  // namespace emu
+static inline void __syncthreads() { emu::wait(emu::AT_BLOCK); }
+// The butterfly of __shfl_xor_sync (offsets 16, 8, 4, 2, 1) in the order CUDA adds, each lane's
+// own result; the warp's first reader computes all 32, the others read theirs.
+void s2_warp_sum(float* v, int n) {
+    using namespace emu;
+    if (n > SLOTS) fail("s2_warp_sum of more values than the stand-in holds");
+    if (blockDim.x % 32) fail("s2_warp_sum in a block that is not whole warps");
+    int lane = cur % 32, base = cur - lane;
+    for (int i = 0; i < n; ++i) slots[(size_t)cur * SLOTS + i] = v[i];
+    wait(AT_WARP);
+    int& r = reads[base / 32];
+    if (r == 0) {
+        for (int l = 0; l < 32; ++l)
+            if (fibers[base + l].state == DONE) fail("s2_warp_sum with a lane that has returned");
+        for (int i = 0; i < n; ++i) {
+            float x[32], y[32];
+            for (int l = 0; l < 32; ++l) x[l] = slots[(size_t)(base + l) * SLOTS + i];
+            for (int off = 16; off > 0; off >>= 1) {
+                for (int l = 0; l < 32; ++l) y[l] = x[l] + x[l ^ off];
+                for (int l = 0; l < 32; ++l) x[l] = y[l];
+            }
+            for (int l = 0; l < 32; ++l) sums[(size_t)(base + l) * SLOTS + i] = x[l];
+        }
+    }
+    for (int i = 0; i < n; ++i) v[i] = sums[(size_t)cur * SLOTS + i];
+    if (++r == 32) r = 0;
+    wait(AT_WARP);  // no lane writes its next values before every lane has read these
+}
 """
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
 
@@ -366,9 +508,8 @@ def _emulator(code: str):
         params = [" ".join(p.split()) for p in params.split(",")]
         names = [re.findall(r"\w+", p)[-1] for p in params]
         launchers.append(f'extern "C" void emu_{name}(unsigned gx, unsigned bx, {", ".join(params)}) {{\n'
-                         f"  gridDim = {{gx, 1, 1}}; blockDim = {{bx, 1, 1}};\n"
-                         f"  for (unsigned b = 0; b < gx; ++b) for (unsigned t = 0; t < bx; ++t) {{\n"
-                         f"    blockIdx = {{b, 0, 0}}; threadIdx = {{t, 0, 0}}; {name}({', '.join(names)}); }}\n}}")
+                         f"  emu::body = [=] {{ {name}({', '.join(names)}); }};\n"
+                         f"  emu::launch(gx, bx);\n}}")
         signatures[name] = [_ctype(p) for p in params]
     folder = tempfile.mkdtemp(prefix="fake_cupy_")
     src = os.path.join(folder, "k.cpp")
@@ -376,7 +517,7 @@ def _emulator(code: str):
         f.write(_SHIM + code + "\n" + "\n".join(launchers) + "\n")
     lib = os.path.join(folder, f"k{hashlib.sha1(code.encode()).hexdigest()[:12]}.so")
     try:
-        r = subprocess.run([compiler, "-O1", "-std=c++17", "-shared", "-fPIC", src, "-o", lib], capture_output=True,
+        r = subprocess.run([compiler, "-O2", "-std=c++17", "-shared", "-fPIC", src, "-o", lib], capture_output=True,
                            text=True, cwd=folder)  # no -I: the source must not need its headers
         if r.returncode:
             raise CUDADriverError(f"NVRTC_ERROR_COMPILATION (fake_cupy emulation):\n{r.stderr[-3000:]}")

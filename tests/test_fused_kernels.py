@@ -1,7 +1,9 @@
 """The fused decode kernels (csrc/decode.cuh through kernels/device.py), their CUDA source run on the
 CPU stand-in (tests/fake_cupy.py), against the NumPy reference ops: every weight type they take,
 norms, biases, residuals, input-major matrices, q/k norms, both RoPE layouts, sinks, cached
-context and tree masks, batches of 1 to 16 tokens, and the reference path beyond their limits."""
+context and tree masks, batches of 1 to 16 tokens, and the reference path beyond their limits.
+Block types are checked against the reference on the same stored blocks (gguf.quants decodes them)
+with float activations: the kernels decode weights in registers and keep activations float32."""
 
 from __future__ import annotations
 
@@ -11,17 +13,35 @@ import pytest
 import fake_cupy
 from s2moe.runtime.kernels import ExpertAct
 from s2moe.runtime.kernels import backend as B
-from s2moe.runtime.kernels.device import MAX_HEAD_DIM, MAX_TOKENS, DeviceOps
+from s2moe.runtime.kernels.device import MAX_HEAD_DIM, MAX_TOKENS, WEIGHT_TYPES, DeviceOps
 from s2moe.runtime.kernels.reference import ReferenceOps
 from s2moe.runtime.kernels.stored import StoredMatrix
 from s2moe.runtime.model.attention import gqa, rms_norm
 from s2moe.runtime.model.config import ModelConfig
 from s2moe.runtime.model.kv_cache import KVCache
 from s2moe.runtime.offload.experts import ExpertWeights
+from test_kernels import random_matrix
+from csrc_host import dequant
 
 fake = fake_cupy.module
 ref = ReferenceOps()
 TOL = dict(rtol=1e-5, atol=2e-5)
+BLOCK_TYPES = [t for t in WEIGHT_TYPES if t not in ("F32", "F16", "BF16")]
+Q4_K_M = ("Q4_K", "Q4_K", "Q6_K")  # gate, up, down (and q, k, v) as a Q4_K_M file mixes them
+
+
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch):
+    monkeypatch.setenv("S2MOE_FLOAT_ACTIVATIONS", "1")  # the reference: dequantised blocks · float32 x
+
+
+def _matrix(rng, dtype, rows, cols):
+    return random_matrix(rng, dtype, rows, cols) if dtype in BLOCK_TYPES else StoredMatrix.from_float(
+        rng.standard_normal((rows, cols)), dtype)
+
+
+def _close(got, want, rel=1e-4):  # block types: the reference sums in another order
+    assert np.abs(got - want).max() <= rel * np.abs(want).max(), np.abs(got - want).max() / np.abs(want).max()
 
 
 @pytest.fixture
@@ -68,15 +88,40 @@ def test_linear_norm_and_embed_equal_the_reference(dev, dtype, T):
     np.testing.assert_array_equal(fake.asnumpy(ops.embed(up(mats[0]), up(ids))), ref.embed(mats[0], ids))
 
 
-@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "Q8_0"])
-def test_grouped_experts_equal_the_reference(dev, dtype):
+@pytest.mark.parametrize("dtype", list(WEIGHT_TYPES))
+def test_the_device_decodes_every_block_as_gguf_does(dtype):
+    rng = np.random.default_rng(3)
+    m = _matrix(rng, dtype, 5, 512)
+    np.testing.assert_array_equal(dequant(m.data, WEIGHT_TYPES[dtype], 5, 512), m.dequantize())
+
+
+@pytest.mark.parametrize("dtypes", [(t,) * 3 for t in BLOCK_TYPES] + [Q4_K_M])
+@pytest.mark.parametrize("T", [1, 7, MAX_TOKENS])
+def test_linear_on_stored_blocks_equals_the_reference(dev, dtypes, T):
+    rng = np.random.default_rng(T)
+    ops, up = DeviceOps(dev, "test"), dev.to_device
+    K = 512
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    mats = [_matrix(rng, d, n, K) for d, n in zip(dtypes, (40, 8, 8))]
+    norm = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    res = rng.standard_normal((T, 8)).astype(np.float32)
+    (y, names) = _launched(lambda: ops.linear_parts(up(x), [(up(m), None) for m in mats], norm=(up(norm), 1e-5)))
+    assert names == ["s2_linear"]  # q | k | v of mixed types: one launch
+    xn = rms_norm(x, norm, 1e-5)
+    _close(fake.asnumpy(y), np.concatenate([ref.linear(xn, m) for m in mats], 1))
+    _close(fake.asnumpy(ops.linear(up(x), up(mats[2]), residual=up(res))), res + ref.linear(x, mats[2]))
+    ids = rng.integers(0, 40, T)
+    np.testing.assert_array_equal(fake.asnumpy(ops.embed(up(mats[0]), up(ids))), ref.embed(mats[0], ids))
+
+
+@pytest.mark.parametrize("dtypes", [(t,) * 3 for t in WEIGHT_TYPES] + [Q4_K_M])
+def test_grouped_experts_equal_the_reference(dev, dtypes):
     rng = np.random.default_rng(1)
     ops, up = DeviceOps(dev, "test"), dev.to_device
-    T, H, I = 6, 32, 64
+    T, H, I = 6, 256, 256
     x = rng.standard_normal((T, H)).astype(np.float32)
     base = rng.standard_normal((T, H)).astype(np.float32)
-    host = [ExpertWeights(*(StoredMatrix.from_float(rng.standard_normal(s), dtype) for s in ((I, H), (I, H), (H, I))))
-            for _ in range(3)]
+    host = [ExpertWeights(*(_matrix(rng, d, *s) for d, s in zip(dtypes, ((I, H), (I, H), (H, I))))) for _ in range(3)]
     group = [([0, 2, 3], [0.5, 0.25, 0.125]), ([2], [0.75]), ([0, 5], [0.3, 0.6])]  # token 1 and 4: no expert
     want = base.copy()
     ref.experts(x, [(w, np.array(ts), np.array(ws, np.float32)) for w, (ts, ws) in zip(host, group)],
@@ -86,9 +131,11 @@ def test_grouped_experts_equal_the_reference(dev, dtype):
         dev.wait(w)
     got, names = _launched(lambda: ops.experts_grouped(up(x), [(w, *g) for w, g in zip(on_device, group)], ExpertAct(),
                                                        up(base)))
-    np.testing.assert_allclose(fake.asnumpy(got), want, **TOL)
-    # Q8_0 has no grouped kernel: the reference path, same result
-    assert names == (["s2_experts_gate_up", "s2_experts_down"] if dtype != "Q8_0" else [])
+    _close(fake.asnumpy(got), want)
+    assert names == ["s2_experts_gate_up", "s2_experts_down"]
+    for w, h in zip(on_device, host):  # resident on the device at their stored bytes
+        assert sum(getattr(w, n).nbytes for n in ("gate", "up", "down")) == sum(
+            getattr(h, n).data.nbytes for n in ("gate", "up", "down"))
 
 
 def _config(qk_norm: str, interleave: bool, sinks: bool) -> ModelConfig:

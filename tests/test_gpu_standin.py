@@ -297,3 +297,69 @@ def test_a_device_model_on_rank_ordered_rows_keeps_the_token_order(as_cupy, tied
     after = build_engine(loaded.path, None, 64, None, loaded=loaded, backend=dev).model
     got = after.backend.to_host(after.forward(prompt, after.new_cache(32), logits="all")[0])
     np.testing.assert_allclose(got, before, rtol=0, atol=1e-5)
+
+
+# -- 8. at the size users run: a real-shaped Q4_K_M-typed model -------------------------------------
+
+@pytest.fixture(scope="module")
+def real_shaped(tmp_path_factory):
+    """Two OLMoE-1B-7B layers (hidden 2048, 16 heads of 128, 64 experts of 1024, top-8) in Q4_K_M's
+    two types (Q4_K; Q6_K for down, v and the head), a small vocabulary: 0.5 GB of real-sized layers."""
+    from benchmarks import real_models
+
+    path = str(tmp_path_factory.mktemp("real") / "olmoe-2-layers.gguf")
+    real_models.write("olmoe-1b-7b", "Q4_K_MIX", path, override=dict(layers=2, vocab=6144))
+    return load_model(path)
+
+
+@pytest.mark.parametrize("budget", ["1.0", "0.25"])
+def test_a_real_shaped_layer_decodes_in_few_ops_on_stored_blocks(real_shaped, monkeypatch, budget):
+    from s2moe.runtime.kernels.stored import DeviceStored, row_bytes
+
+    monkeypatch.setenv("S2MOE_FLOAT_ACTIVATIONS", "1")  # the NumPy reference: dequantised blocks · float32 x
+    c = real_shaped.config
+    assert (c.hidden_size, c.num_experts, c.top_k, c.expert_intermediate_size) == (2048, 64, 8, 1024)
+    prompt, steps = [5, 99, 1000, 42], (7, 11, 13)
+    host = build_engine(real_shaped.path, budget, 64, None, loaded=real_shaped)
+    kv = host.model.new_cache(32)
+    want = [host.model.forward(prompt, kv, logits="last", record=False)[0]]
+    kv.commit(4)
+    for token in steps:
+        want.append(host.model.forward([token], kv, logits="last", record=False)[0])
+        kv.commit(kv.filled)
+    host.close()
+
+    dev = B.select_backend("cupy", module=fake)
+    engine = build_engine(real_shaped.path, budget, 64, None, loaded=real_shaped, backend=dev)
+    model: MoEModel = engine.model
+    kv = model.new_cache(32)
+    got = [model.forward(prompt, kv, logits="last", record=False)[0]]
+    kv.commit(4)
+    names = []
+    real_call = fake_cupy._Function.__call__
+
+    def spy(self, *args, **kwargs):
+        names.append(self.name)
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(fake_cupy._Function, "__call__", spy)
+    for token in steps:
+        with fake_cupy.counting() as n:
+            got.append(model.forward([token], kv, logits="last", record=False)[0])
+        kv.commit(kv.filled)
+        layers = len(c.moe_layer_ids)
+        assert n.launches <= 60 and n.syncs <= 2 * layers + 1, (n.launches, n.syncs)
+    # every product ran fused on the stored blocks (no op-by-op decode of a Q4_K or Q6_K matrix)
+    assert {"s2_linear", "s2_attend", "s2_experts_gate_up", "s2_experts_down"} <= set(names)
+    for w, h in zip(got, want):
+        h = np.asarray(h)
+        assert np.abs(fake.asnumpy(w) - h).max() <= 1e-3 * np.abs(h).max()
+    # resident experts on the device are their stored blocks, at their stored size
+    held = list(engine.cache.held.values())
+    assert held
+    for w in held:
+        for m, (N, K) in ((w.gate, (1024, 2048)), (w.up, (1024, 2048)), (w.down, (2048, 1024))):
+            assert isinstance(m, DeviceStored) and m.dtype in ("Q4_K", "Q6_K")
+            assert m.nbytes == N * row_bytes(m.dtype, K)
+    assert {w.down.dtype for w in held} == {"Q6_K"} and {w.gate.dtype for w in held} == {"Q4_K"}
+    engine.close()

@@ -4,8 +4,9 @@ with the fused decode kernels of csrc/decode.cuh where they apply (issue 19: a d
 
 What the kernels take, checked here before anything is launched (else the op-by-op reference path,
 same results within float32 rounding): passes of at most `MAX_TOKENS` tokens (decode and
-verification; prefill chunks stay on cuBLAS), weights stored as F32, F16 or BF16 (or float32
-arrays, either layout), float32 C-contiguous activations; attention: grouped-query, RoPE over the
+verification; prefill chunks stay on cuBLAS), weights stored as F32, F16, BF16, Q8_0, Q4_0, Q4_K,
+Q6_K or MXFP4 (read in place, decoded in registers; or float32 arrays, either layout), float32
+C-contiguous activations; attention: grouped-query, RoPE over the
 whole head, head width ≤ `MAX_HEAD_DIM`, no q/k/v clipping; experts: SwiGLU without biases.
 The model code asks for the fused pieces by name (`gqa_block`, `experts_grouped`), so NumPy runs
 exactly the code it ran before.
@@ -16,12 +17,14 @@ from __future__ import annotations
 import numpy as np
 
 from .reference import ReferenceOps
+from .stored import kernel_type, row_bytes
 
 MAX_TOKENS = 16  # S2_MAX_TOKENS in decode.cuh: a few tokens per thread; prefill chunks take cuBLAS
 MAX_HEAD_DIM = 256  # S2_MAX_HEAD_DIM in decode.cuh (a per-thread head in registers)
 ATTEND_CHUNK = 256  # cached slots per attention thread; longer contexts add a merge launch
 THREADS = 128
-WEIGHT_TYPES = {"F32": 0, "F16": 1, "BF16": 2}  # S2WeightType
+WARP = 32  # products give each output a warp (S2_WARP)
+WEIGHT_TYPES = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_K": 5, "Q6_K": 6, "MXFP4": 7}  # quant.cuh
 QK_NORMS = {"none": 0, "full": 1, "per_head": 2}  # S2QkNorm
 
 _MODULES: dict[int, tuple] = {}
@@ -50,7 +53,9 @@ class DeviceOps(ReferenceOps):
         self.xp = backend.xp
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _launch(self, name: str, n: int, args: tuple) -> None:
+    def _launch(self, name: str, n: int, args: tuple, warps: bool = False) -> None:
+        """``n`` threads of kernel ``name`` (``n`` warps with ``warps``: the products)."""
+        n *= WARP if warps else 1
         if n > 0:
             _module(self.xp).get_function(name)(((n + THREADS - 1) // THREADS,), (THREADS,), args)
 
@@ -75,7 +80,7 @@ class DeviceOps(ReferenceOps):
         if kind is None or not self._is(data, 1, np.uint8):
             return None
         N, K = W.shape
-        if data.size != N * K * (4 if kind == 0 else 2):  # the kernels would read out of bounds
+        if not kernel_type(W.dtype, K) or data.size != N * row_bytes(W.dtype, K):  # out of bounds otherwise
             return None
         return data, kind, N, K, K, 1
 
@@ -129,7 +134,7 @@ class DeviceOps(ReferenceOps):
         if xn is not None and not (norm is not None and self._is(xn, 2) and xn.shape == x.shape):
             return None
         infos = [self._weight(W) for W, _ in parts]
-        if any(i is None for i in infos) or len({i[1:2] + i[3:] for i in infos}) > 1 or infos[0][3] != x.shape[1]:
+        if any(i is None for i in infos) or len({i[3:] for i in infos}) > 1 or infos[0][3] != x.shape[1]:
             return None
         biases = [self._bias(b, i[2]) for (_, b), i in zip(parts, infos)]
         if any(b is None for b in biases):
@@ -138,19 +143,19 @@ class DeviceOps(ReferenceOps):
         N = sum(i[2] for i in infos)
         if residual is not None and not (self._is(residual, 2) and residual.shape == (T, N)):
             return None
-        _, kind, _, _, rs, cs = infos[0]
+        _, _, _, _, rs, cs = infos[0]
         args = []
         for j in range(3):
             if j < len(infos):
-                args += [infos[j][0], biases[j], xp.int32(infos[j][2])]
+                args += [infos[j][0], xp.int32(infos[j][1]), biases[j], xp.int32(infos[j][2])]
             else:
-                args += [xp.intp(0), xp.intp(0), xp.int32(0)]
+                args += [xp.intp(0), xp.int32(0), xp.intp(0), xp.int32(0)]
         y = xp.empty((T, N), dtype=xp.float32)
         null = xp.intp(0)
         norm_w, eps = (null, 0.0) if norm is None else norm
-        self._launch("s2_linear", max(N, K) if xn is not None else N,  # a thread per column, all tokens
-                     (x, xp.int32(T), xp.int32(K), norm_w, xp.float32(eps), null if xn is None else xn, xp.int32(kind),
-                      xp.int64(rs), xp.int64(cs), *args, null if residual is None else residual, y))
+        self._launch("s2_linear", max(N, -(-K // WARP)) if xn is not None else N,  # a warp per column, all tokens
+                     (x, xp.int32(T), xp.int32(K), norm_w, xp.float32(eps), null if xn is None else xn,
+                      xp.int64(rs), xp.int64(cs), *args, null if residual is None else residual, y), warps=True)
         return y
 
     def embed(self, W, ids):
@@ -234,42 +239,45 @@ class DeviceOps(ReferenceOps):
             self.experts(x, [(w, dev(np.array(ts, np.int32)), dev(np.array(ws, np.float32))) for w, ts, ws in group],
                          act, out)
             return out
-        kind, I = info
+        I = info
         pairs = sorted((t, j, float(m)) for j, (_, ts, ws) in enumerate(group) for t, m in zip(ts, ws))
         P = len(pairs)
-        table = np.empty(5 * P + T + 1, dtype=np.int64)
-        addresses = [[_ptr(self._weight(m)[0]) for m in (w.gate, w.up, w.down)] for w, _, _ in group]
+        table = np.empty(6 * P + T + 1, dtype=np.int64)
+        parts = [[self._weight(m) for m in (w.gate, w.up, w.down)] for w, _, _ in group]
+        addresses = [[_ptr(i[0]) for i in ps] for ps in parts]
+        types = [ps[0][1] | ps[1][1] << 8 | ps[2][1] << 16 for ps in parts]
         for n, (t, j, m) in enumerate(pairs):
             table[3 * n:3 * n + 3] = addresses[j]
         table[3 * P:4 * P] = [t for t, _, _ in pairs]
         table[4 * P:5 * P].view(np.float64)[:] = [m for _, _, m in pairs]
-        table[5 * P:] = np.searchsorted([t for t, _, _ in pairs], np.arange(T + 1), side="left")
+        table[5 * P:6 * P] = [types[j] for _, j, _ in pairs]
+        table[6 * P:] = np.searchsorted([t for t, _, _ in pairs], np.arange(T + 1), side="left")
         table = xp.asarray(table)
         hidden = xp.empty((P, I), dtype=xp.float32)
         out = xp.empty((T, H), dtype=xp.float32) if out is None else out
-        self._launch("s2_experts_gate_up", P * I,
-                     (x, xp.int32(H), xp.int32(I), xp.int32(P), xp.int32(kind), table, hidden))
+        self._launch("s2_experts_gate_up", P * I, (x, xp.int32(H), xp.int32(I), xp.int32(P), table, hidden),
+                     warps=True)
         self._launch("s2_experts_down", T * H,
-                     (hidden, xp.int32(H), xp.int32(I), xp.int32(T), xp.int32(P), xp.int32(kind), table, base, out))
+                     (hidden, xp.int32(H), xp.int32(I), xp.int32(T), xp.int32(P), table, base, out), warps=True)
         return out
 
     def _experts_info(self, x, group, act, base, out):
-        """(weight type, intermediate width) when the grouped kernels take ``group``, else None."""
+        """The intermediate width when the grouped kernels take ``group`` (each matrix of any
+        kernel type), else None."""
         if act.kind != "swiglu" or not group or not self._tokens(x) or not self._is(base, 2):
             return None
         T, H = x.shape
         if base.shape != (T, H) or (out is not None and not (self._is(out, 2) and out.shape == (T, H))):
             return None
-        kinds, widths = set(), set()
+        widths = set()
         for w, ts, _ in group:
             if w.gate_bias is not None or w.up_bias is not None or w.down_bias is not None:
                 return None
             parts = [self._weight(m) for m in (w.gate, w.up, w.down)]
             if any(i is None or i[4:] != (i[3], 1) for i in parts):
                 return None
-            (_, kg, ig, hg, _, _), (_, ku, iu, hu, _, _), (_, kd, hd, id_, _, _) = parts
+            (_, _, ig, hg, _, _), (_, _, iu, hu, _, _), (_, _, hd, id_, _, _) = parts
             if not (ig == iu == id_ and hg == hu == hd == H) or any(not 0 <= t < T for t in ts):
                 return None
-            kinds.update((kg, ku, kd))
             widths.add(ig)
-        return (kinds.pop(), widths.pop()) if len(kinds) == 1 and len(widths) == 1 else None
+        return widths.pop() if len(widths) == 1 else None
