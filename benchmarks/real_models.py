@@ -220,11 +220,12 @@ def _metadata(w, p: dict) -> None:
 
 
 def write(preset: str, dtype: str, out: str, seed: int = 0, progress=None, aligned: bool = True,
-          override: dict | None = None) -> str:
+          override: dict | None = None, sparse: bool = False) -> str:
     """Write ``preset`` with every weight matrix stored as ``dtype`` (one of DIRECT) to ``out``, its
     tensors on page boundaries (``aligned``: as `s2moe convert` writes, so O_DIRECT reads hold each
     expert at its stored size) or on GGUF's default 32 bytes. ``override`` replaces preset fields
-    (``layers``, ``vocab``: a real-shaped layer in a small file)."""
+    (``layers``, ``vocab``: a real-shaped layer in a small file). ``sparse`` leaves the tensor data
+    as holes (zeros that take no disk): a file for sizes and memory plans (`s2moe info`), not runs."""
     import gguf
 
     from s2moe.runtime.cli.common import DEFAULT_MODEL
@@ -274,6 +275,14 @@ def write(preset: str, dtype: str, out: str, seed: int = 0, progress=None, align
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for i, (name, shape, kind) in enumerate(planned):
+            if sparse:  # what write_tensor_data does, with a hole for the bytes
+                fout = w.fout[0]
+                ti = w.tensors[0].pop(name)
+                w.write_padding(fout, fout.tell())
+                fout.seek(ti.nbytes, os.SEEK_CUR)
+                w.write_padding(fout, ti.nbytes)
+                fout.truncate(fout.tell())
+                continue
             if kind == "norm":
                 data = np.ones(shape, np.float32)
             elif kind == "router":
@@ -330,13 +339,17 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quantize", help="llama-quantize, for the mixes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sparse", action="store_true", help="tensor data as holes: sizes only (s2moe info)")
     a = ap.parse_args()
     from rich.progress import Progress
 
     with Progress(transient=True) as bar:
         task = bar.add_task(f"{a.preset} {a.type}", total=None)
-        make(a.preset, a.type.upper(), a.out, a.quantize, a.seed,
-             lambda done, total: bar.update(task, completed=done, total=total))
+        progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+        if a.sparse:
+            write(a.preset, a.type.upper(), a.out, a.seed, progress, sparse=True)
+        else:
+            make(a.preset, a.type.upper(), a.out, a.quantize, a.seed, progress)
     print(a.out)
 
 

@@ -28,6 +28,7 @@ ref = ReferenceOps()
 TOL = dict(rtol=1e-5, atol=2e-5)
 BLOCK_TYPES = [t for t in WEIGHT_TYPES if t not in ("F32", "F16", "BF16")]
 Q4_K_M = ("Q4_K", "Q4_K", "Q6_K")  # gate, up, down (and q, k, v) as a Q4_K_M file mixes them
+MIXED = ("Q6_K", "Q8_0", "MXFP4")  # three types in one launch
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +96,7 @@ def test_the_device_decodes_every_block_as_gguf_does(dtype):
     np.testing.assert_array_equal(dequant(m.data, WEIGHT_TYPES[dtype], 5, 512), m.dequantize())
 
 
-@pytest.mark.parametrize("dtypes", [(t,) * 3 for t in BLOCK_TYPES] + [Q4_K_M])
+@pytest.mark.parametrize("dtypes", [(t,) * 3 for t in BLOCK_TYPES] + [Q4_K_M, MIXED])
 @pytest.mark.parametrize("T", [1, 7, MAX_TOKENS])
 def test_linear_on_stored_blocks_equals_the_reference(dev, dtypes, T):
     rng = np.random.default_rng(T)
@@ -114,11 +115,11 @@ def test_linear_on_stored_blocks_equals_the_reference(dev, dtypes, T):
     np.testing.assert_array_equal(fake.asnumpy(ops.embed(up(mats[0]), up(ids))), ref.embed(mats[0], ids))
 
 
-@pytest.mark.parametrize("dtypes", [(t,) * 3 for t in WEIGHT_TYPES] + [Q4_K_M])
+@pytest.mark.parametrize("dtypes", [(t,) * 3 for t in WEIGHT_TYPES] + [Q4_K_M, MIXED])
 def test_grouped_experts_equal_the_reference(dev, dtypes):
     rng = np.random.default_rng(1)
     ops, up = DeviceOps(dev, "test"), dev.to_device
-    T, H, I = 6, 256, 256
+    T, H, I = 6, 256, 1024  # down rows of 32 units: more than a warp's lanes
     x = rng.standard_normal((T, H)).astype(np.float32)
     base = rng.standard_normal((T, H)).astype(np.float32)
     host = [ExpertWeights(*(_matrix(rng, d, *s) for d, s in zip(dtypes, ((I, H), (I, H), (H, I))))) for _ in range(3)]

@@ -363,3 +363,30 @@ def test_a_real_shaped_layer_decodes_in_few_ops_on_stored_blocks(real_shaped, mo
             assert m.nbytes == N * row_bytes(m.dtype, K)
     assert {w.down.dtype for w in held} == {"Q6_K"} and {w.gate.dtype for w in held} == {"Q4_K"}
     engine.close()
+
+
+def test_the_gpu_benchmark_runs_end_to_end_on_the_stand_in(tmp_path):
+    """`benchmarks/gpu.py --dry-run`: the real-size check's every step on the CPU stand-in, sizes
+    scaled down, no torch: the file made, kernels, both tiers at three budgets, profile + validate."""
+    blocked = tmp_path / "blocked" / "torch"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('torch is blocked by the test')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocked.parent), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "gpu"
+    r = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry-run", "--no-tests", "--out", str(out),
+                        "--models", str(tmp_path / "models")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "skipped" not in r.stdout and "dry run" in r.stdout
+    for tier in ("file", "host"):
+        for budget in ("100%", "25%", "10%"):
+            assert any([c.strip() for c in line.split("│")[1:3]] == [tier, budget] for line in r.stdout.splitlines()
+                       if line.startswith("│")), (tier, budget, r.stdout)
+    assert "calibration at 25 %: validate R²" in r.stdout
+    records = json.loads((tmp_path / "gpu.json").read_text())["records"]
+    rates = [x for x in records if x["unit"] == "tok/s"]
+    assert len(rates) == 2 * 3 * 2 and all(x["dry_run"] and x["median"] > 0 for x in rates)
+    assert {(x["tier"], x["budget"], x["method"]) for x in rates} == {
+        (t, b, m) for t in ("file", "host") for b in ("1.0", "0.25", "0.10") for m in ("ar", "s2moe")}
+    r2 = next(x for x in records if x["unit"] == "R²")["median"]
+    assert np.isfinite(r2) and (tmp_path / "gpu-profile.json").exists()

@@ -92,12 +92,67 @@ def memory_plan(loaded, budget, expert_budget, positions: int, kernels: str = "a
             **plan.to_dict()}
 
 
+# What a device's memory keeps for others, by assumption (no Orin has been measured here): on unified
+# memory (Jetson) the OS, the CUDA context and the Python process share the DRAM with the model;
+# on a discrete GPU the CUDA context and cuBLAS's workspace take device memory
+RESERVE_UNIFIED = 5 << 29  # 2.5 GiB
+RESERVE_DISCRETE = 3 << 28  # 0.75 GiB
+
+
+def _device_profile(device: str) -> tuple[str, dict]:
+    """(name, the profile's device section) of a preset in profiles/ or a profile JSON path."""
+    import json
+    import os
+
+    from ..errors import UsageError
+
+    presets = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), "profiles")
+    known = sorted(f[:-5] for f in os.listdir(presets) if f.endswith(".json") and f != "schema.json") \
+        if os.path.isdir(presets) else []
+    path = device if device.endswith(".json") else os.path.join(presets, device + ".json")
+    if not os.path.isfile(path):
+        raise UsageError(f"--device {device!r}: no such preset or profile; choose from {', '.join(known)} "
+                         "or give a profile .json")
+    try:
+        section = json.load(open(path))["device"]
+        int(section["memory_bytes"]), section["kind"]
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"--device {path}: not a profile with a device.memory_bytes and device.kind; "
+                         "make one with s2moe-calib profile") from None
+    return os.path.basename(path)[:-5], section
+
+
+def device_plan(loaded, device: str, positions: int, cache_type: str) -> dict:
+    """The memory plan of this model on ``device``: its memory less what the system keeps, as the
+    budget, experts held at their stored bytes by the device kernels; and the plan in one line."""
+    from ..offload.memory import Budget, plan_memory
+
+    name, d = _device_profile(device)
+    unified = d["kind"] == "orin"
+    memory = int(d["memory_bytes"])
+    reserve = RESERVE_UNIFIED if unified else RESERVE_DISCRETE
+    budget = memory - reserve
+    plan = plan_memory(loaded, Budget.parse(f"{budget >> 20}m"), positions, baseline=0, cache_type=cache_type)
+    tier = "the file (NVMe: unified memory has no host tier)" if unified else \
+        ("pinned host memory" if d.get("offload_tier") == "host" else "the file")
+    f = _fmt_bytes
+    rest = (f"the other experts stream from {tier}" if plan.expert_share < 1 else "every expert resident")
+    line = (f"{name} ({d.get('name', d['kind'])}, {f(memory)} {'unified' if unified else 'device'} memory, "
+            f"{f(budget)} for the model): dense {f(plan.dense_bytes)} + experts {f(plan.expert_capacity)} "
+            f"({plan.expert_share:.0%} resident) + KV {f(plan.kv_bytes)} ({positions} {cache_type} positions) "
+            f"+ workspace {f(plan.work_bytes)} = {f(plan.model_bytes)}; {rest}")
+    return {"device": name, "device_name": d.get("name"), "unified_memory": unified, "memory_bytes": memory,
+            "reserved_bytes": reserve, "kv_positions": positions, "kv_cache_type": cache_type,
+            "offload_tier": tier, "fits": plan.model_bytes <= budget, **plan.to_dict(), "line": line}
+
+
 def info(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="HF folder or .gguf file (default: the embedded model)."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Show the memory plan for this budget (16g, 512m, 0.25)."),
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="… and this expert budget."),
     ctx: Optional[int] = typer.Option(None, "--ctx-size", min=1, help="KV positions to plan for (default: the model's context, at most 4096)."),
     cache_type: str = typer.Option("auto", "--cache-type", help="KV cache type to plan: f32, f16 or q8_0 (auto: f16)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Plan for a device: a preset (orin-16g, orin-32g, orin-64g, rtx4090) or a profile .json; shows dense, resident experts, KV and workspace in one line."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
     """Show a model's architecture, layer/expert counts, byte sizes and memory plan."""
@@ -112,9 +167,13 @@ def info(
         facts["kv_cache_type"] = cache_type
         positions = ctx or min(loaded.config.max_position_embeddings or 4096, 4096)
         facts["memory_plan"] = memory_plan(loaded, budget, expert_budget, positions, cache_type=cache_type)
+        if device:
+            facts["device_plan"] = device_plan(loaded, device, positions, cache_type)
         if json_out:
             print_json(facts)
             return
+        if device:
+            out.print(facts["device_plan"]["line"], soft_wrap=True)
         table = Table(title="model", show_header=False)
         table.add_column("field", style="bold")
         table.add_column("value")

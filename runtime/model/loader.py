@@ -70,13 +70,6 @@ class ExpertRefs:
         """Memory one resident copy holds when read with O_DIRECT (the most it can hold)."""
         return self.resident_bytes_for(True)
 
-    @property
-    def float32_bytes(self) -> int:
-        """Bytes once decoded to float32 (what a device backend holds: it computes in float32)."""
-        values = {"_blocks": 2, "_scales": 0}  # MXFP4: two values per byte, scales none
-        return 4 * sum(r.n_elements * next((v for k, v in values.items() if role.endswith(k)), 1)
-                       for role, r in self.parts)
-
 
 @dataclass
 class LoadedModel:

@@ -163,7 +163,7 @@ def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_bu
                 expert_bytes=None, baseline: int | None = None, direct: bool = True, staged_prefetches: int = 0,
                 draft_head: int = 0, cache_type: str = "f32") -> MemoryPlan:
     """The plan for ``budget`` (and ``expert_budget``). ``expert_bytes(refs)`` is one expert's
-    resident cost where it differs from the host's (device backends hold float32); ``batch`` is
+    resident cost where it differs from the host's (a device: stored bytes, no page rounding); ``batch`` is
     the most tokens one pass runs (prompt chunks, verification batches); ``draft_head`` the bytes of
     a FR-Spec draft head's copied rows, held beside the dense part; ``staged_prefetches`` the
     prefetches a device backend holds in host buffers until verification uploads them;
@@ -185,7 +185,7 @@ def plan_memory(model: LoadedModel, budget: Budget, kv_positions: int, expert_bu
 
     def share_of_experts(b: Budget) -> int:
         # that share of the experts, each at its resident cost: its stored bytes (plus at most 8 KiB
-        # of page rounding under O_DIRECT), or float32 on a device backend
+        # of page rounding under O_DIRECT; exactly its stored bytes on a device)
         return min(total_experts, int(b.share * total_experts))
 
     if expert_budget is not None:
