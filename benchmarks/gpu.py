@@ -152,7 +152,7 @@ def decode_records(path: str, n_prompts: int, tokens: int, clock: Clock, dry: bo
     return records
 
 
-def calibration_records(path: str, out: str, dry: bool) -> list:
+def calibration_records(path: str, out: str, dry: bool, clock: Clock) -> list:
     """`s2moe-calib profile --backend cupy` + `validate` at 25 %: porting to this GPU, as a user would."""
     profile = out + "-profile.json"
     quick = ["--samples", "10", "--n-prompts", "1", "--decode-tokens", "4", "--rounds", "1", "--draft-topk", "4"]
@@ -160,8 +160,11 @@ def calibration_records(path: str, out: str, dry: bool) -> list:
     check = ["--n-prompts", "2", "-n", "6" if dry else "16", "--rounds", "1" if dry else "3"]
 
     def calib(*args):
-        return subprocess.run([sys.executable, os.path.abspath(__file__), "--calib", *args], capture_output=True,
-                              text=True, cwd=ROOT)
+        try:
+            return subprocess.run([sys.executable, os.path.abspath(__file__), "--calib", *args], capture_output=True,
+                                  text=True, cwd=ROOT, timeout=None if dry else max(30.0, clock.left()))
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(args, 124, "", f"out of time (--budget-s) in {args[0]}")
 
     r = calib("profile", "--device", "auto", "--backend", "cupy", "--model", path, "--budget", "0.25", "--out", profile,
               *(quick if dry else full))
@@ -265,7 +268,7 @@ def main() -> None:
     records = step("kernels", lambda: kernel_records(3 if dry else args.reps))
     records += step("decode", lambda: decode_records(path, 2 if dry else 4, 3 if dry else 32, clock, dry))
     if clock.left() > 120 or dry:
-        records += step("calibration", lambda: calibration_records(path, out, dry))
+        records += step("calibration", lambda: calibration_records(path, out, dry, clock))
     else:
         print("skipped: calibration on CuPy (profile + validate): out of time")
     from s2moe.runtime.outputs import write_atomic

@@ -266,11 +266,14 @@ extern "C" __global__ void s2_attend_merge(const float* part, int T, int nh, int
 // Grouped experts. ``table`` (int64, one upload per group of experts) holds, for P (token, expert)
 // pairs sorted by token: [3P] device addresses of the pair's gate [I, H], up [I, H] and down [H, I]
 // weights, [P] the pair's token, [P] its mixture weight (float64 bits), [P] the three matrices'
-// types (gate | up << 8 | down << 16), [T + 1] each token's first pair.
+// types (gate | up << 8 | down << 16), [3P] addresses of their float32 biases (0: none), [T + 1]
+// each token's first pair.
+enum S2ExpertAct { S2_ACT_SWIGLU = 0, S2_ACT_SWIGLU_CLAMPED = 1 };  // ACTS in runtime/kernels/device.py
 
-// hidden [P, I] = silu(x[t] · gate) · (x[t] · up), one warp per (pair, row).
-extern "C" __global__ void s2_experts_gate_up(const float* x, int H, int I, int P, const long long* table,
-                                              float* hidden) {
+// hidden [P, I] = act(x[t] · gate + bg, x[t] · up + bu), one warp per (pair, row): SwiGLU, or
+// GPT-OSS's clamped variant (gate ≤ limit, |up| ≤ limit, (up + 1) · gate · σ(alpha · gate)).
+extern "C" __global__ void s2_experts_gate_up(const float* x, int H, int I, int P, const long long* table, int act,
+                                              float alpha, float limit, float* hidden) {
     long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / S2_WARP;
     int lane = threadIdx.x % S2_WARP;
     if (warp >= (long)P * I) return;
@@ -280,10 +283,20 @@ extern "C" __global__ void s2_experts_gate_up(const float* x, int H, int I, int 
     float gu[2] = {s2_lane_dot(xt, (const unsigned char*)table[3 * p] + r * s2_row_bytes(tg, H), tg, H, lane),
                    s2_lane_dot(xt, (const unsigned char*)table[3 * p + 1] + r * s2_row_bytes(tu, H), tu, H, lane)};
     s2_warp_sum(gu, 2);
-    if (lane == 0) hidden[warp] = gu[0] / (1.f + expf(-gu[0])) * gu[1];
+    if (lane) return;
+    const float* bg = (const float*)table[6L * P + 3 * p];
+    const float* bu = (const float*)table[6L * P + 3 * p + 1];
+    float g = gu[0] + (bg ? bg[r] : 0.f), u = gu[1] + (bu ? bu[r] : 0.f);
+    if (act == S2_ACT_SWIGLU_CLAMPED) {
+        g = g < limit ? g : limit;
+        u = u < -limit ? -limit : (u > limit ? limit : u);
+        hidden[warp] = (u + 1.f) * g / (1.f + expf(-alpha * g));
+    } else {
+        hidden[warp] = g / (1.f + expf(-g)) * u;
+    }
 }
 
-// out [T, H] = base + Σ over the token's pairs of weight · (hidden[p] · down), one warp per
+// out [T, H] = base + Σ over the token's pairs of weight · (hidden[p] · down + bd), one warp per
 // output, pairs in table order (one scatter-add per group, no atomics: the sum is deterministic).
 // base may be out itself (a later group of the same layer).
 extern "C" __global__ void s2_experts_down(const float* hidden, int H, int I, int T, int P, const long long* table,
@@ -293,12 +306,14 @@ extern "C" __global__ void s2_experts_down(const float* hidden, int H, int I, in
     if (warp >= (long)T * H) return;
     long t = warp / H, j = warp % H;
     const double* mix = (const double*)(table + 4L * P);
-    const long long* first = table + 6L * P;
+    const long long* first = table + 9L * P;
     float sum = 0.f;
     for (long long p = first[t]; p < first[t + 1]; ++p) {
         int td = (int)(table[5L * P + p] >> 16) & 0xff;
         const unsigned char* row = (const unsigned char*)table[3 * p + 2] + j * s2_row_bytes(td, I);
-        sum += (float)mix[p] * s2_lane_dot(hidden + p * I, row, td, I, lane);
+        const float* bd = (const float*)table[6L * P + 3 * p + 2];
+        // the bias once per pair, on lane 0's share: the warp sum adds it once
+        sum += (float)mix[p] * (s2_lane_dot(hidden + p * I, row, td, I, lane) + (bd && lane == 0 ? bd[j] : 0.f));
     }
     s2_warp_sum(&sum, 1);
     if (lane == 0) out[warp] = base[warp] + sum;

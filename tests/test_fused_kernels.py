@@ -139,6 +139,32 @@ def test_grouped_experts_equal_the_reference(dev, dtypes):
             getattr(h, n).data.nbytes for n in ("gate", "up", "down"))
 
 
+@pytest.mark.parametrize("act", [ExpertAct(), ExpertAct("swiglu_clamped", 1.702, 7.0)])
+def test_grouped_gpt_oss_experts_with_biases_equal_the_reference(dev, act):
+    """GPT-OSS's experts: MXFP4 blocks, a bias on each projection, the clamped SwiGLU (the limit
+    reached: pre-activations of several units) in the same two launches."""
+    rng = np.random.default_rng(5)
+    ops, up = DeviceOps(dev, "test"), dev.to_device
+    T, H, I = 5, 288, 320  # GPT-OSS's rows (2880) are whole MXFP4 blocks, not whole super-blocks
+    x = 3 * rng.standard_normal((T, H)).astype(np.float32)
+    base = rng.standard_normal((T, H)).astype(np.float32)
+    host = []
+    for _ in range(2):
+        mats = [StoredMatrix.from_float(rng.standard_normal(s) / 4, "MXFP4") for s in ((I, H), (I, H), (H, I))]
+        bias = [rng.standard_normal(n).astype(np.float32) for n in (I, I, H)]
+        host.append(ExpertWeights(*mats, *bias))
+    group = [([0, 1, 4], [0.5, 0.25, 0.125]), ([1, 3], [0.75, 0.5])]
+    want = base.copy()
+    ref.experts(x, [(w, np.array(ts), np.array(ws, np.float32)) for w, (ts, ws) in zip(host, group)], act, want)
+    on_device = [dev.upload_expert(w) for w in host]
+    for w in on_device:
+        dev.wait(w)
+    got, names = _launched(lambda: ops.experts_grouped(up(x), [(w, *g) for w, g in zip(on_device, group)], act,
+                                                       up(base)))
+    assert names == ["s2_experts_gate_up", "s2_experts_down"]
+    _close(fake.asnumpy(got), want)
+
+
 def _config(qk_norm: str, interleave: bool, sinks: bool) -> ModelConfig:
     return ModelConfig(arch="test", vocab_size=64, hidden_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
                        head_dim=16, num_experts=4, top_k=2, expert_intermediate_size=32, qk_norm=qk_norm,
@@ -147,7 +173,8 @@ def _config(qk_norm: str, interleave: bool, sinks: bool) -> ModelConfig:
 
 @pytest.mark.parametrize("qk_norm,interleave,sinks", [("none", False, False), ("full", False, False),
                                                       ("per_head", True, False), ("none", True, True)])
-@pytest.mark.parametrize("start,T,tree", [(0, 1, False), (5, 1, False), (3, 7, True), (2, MAX_TOKENS, False)])
+@pytest.mark.parametrize("start,T,tree", [(0, 1, False), (5, 1, False), (3, 7, True), (2, MAX_TOKENS, False),
+                                          (3000, 9, True)])  # thousands of positions: split-K over 12 chunks
 @pytest.mark.parametrize("chunk", [256, 3])  # 3: contexts longer than a chunk, split over threads and merged
 def test_attention_block_equals_the_reference(dev, monkeypatch, qk_norm, interleave, sinks, start, T, tree, chunk):
     from s2moe.runtime.kernels import device
@@ -173,7 +200,8 @@ def test_attention_block_equals_the_reference(dev, monkeypatch, qk_norm, interle
     cs = (np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
     allowed = np.ones((T, start + T), dtype=bool)
     allowed[:, start:] = np.tril(rng.random((T, T)) < 0.6) | np.eye(T, dtype=bool) if tree else np.tril(np.ones((T, T)))
-    kv_h, kv_d = KVCache(1, nkv, D, 32), KVCache(1, nkv, D, 32, xp=fake)
+    cap = max(32, start + T)
+    kv_h, kv_d = KVCache(1, nkv, D, cap), KVCache(1, nkv, D, cap, xp=fake)
     context = rng.standard_normal((2, nkv, start, D)).astype(np.float32)
     for kv, put in ((kv_h, lambda a: a), (kv_d, up)):
         kv.begin_write(0, start + T)

@@ -560,6 +560,12 @@ CORE: list[Mutation] = [
     Mutation("device-no-warp-sum", "csrc/decode.cuh", "    s2_warp_sum(acc, T);\n    if (lane) return;",
              "    if (lane) return;", ["tests/test_fused_kernels.py", "-k", "stored_blocks"],
              "a product keeps lane 0's share only"),
+    Mutation("device-expert-gate-bias-dropped", "csrc/decode.cuh", "float g = gu[0] + (bg ? bg[r] : 0.f)",
+             "float g = gu[0]", ["tests/test_fused_kernels.py", "-k", "gpt_oss"], "the experts' gate bias ignored"),
+    Mutation("device-expert-up-unclamped", "csrc/decode.cuh", "u = u < -limit ? -limit : (u > limit ? limit : u);",
+             "u = u;", ["tests/test_fused_kernels.py", "-k", "gpt_oss"], "GPT-OSS's up projection not clamped"),
+    Mutation("device-down-bias-per-lane", "csrc/decode.cuh", "(bd && lane == 0 ? bd[j] : 0.f)", "(bd ? bd[j] : 0.f)",
+             ["tests/test_fused_kernels.py", "-k", "gpt_oss"], "the down bias added once per lane (32 times)"),
     Mutation("device-plan-no-reserve", "runtime/cli/info.py", "    budget = memory - reserve\n",
              "    budget = memory\n", ["tests/test_device_plan.py"], "the device plan leaves nothing for the OS and CUDA"),
 ]

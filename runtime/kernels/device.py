@@ -6,8 +6,10 @@ What the kernels take, checked here before anything is launched (else the op-by-
 same results within float32 rounding): passes of at most `MAX_TOKENS` tokens (decode and
 verification; prefill chunks stay on cuBLAS), weights stored as F32, F16, BF16, Q8_0, Q4_0, Q4_K,
 Q6_K or MXFP4 (read in place, decoded in registers; or float32 arrays, either layout), float32
-C-contiguous activations; attention: grouped-query, RoPE over the
-whole head, head width ≤ `MAX_HEAD_DIM`, no q/k/v clipping; experts: SwiGLU without biases.
+C-contiguous activations; attention: grouped-query, RoPE over the whole head, head width ≤
+`MAX_HEAD_DIM`, no q/k/v clipping; experts: SwiGLU or GPT-OSS's clamped SwiGLU, biases float32 or
+none.
+
 The model code asks for the fused pieces by name (`gqa_block`, `experts_grouped`), so NumPy runs
 exactly the code it ran before.
 """
@@ -26,6 +28,7 @@ THREADS = 128
 WARP = 32  # products give each output a warp (S2_WARP)
 WEIGHT_TYPES = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_K": 5, "Q6_K": 6, "MXFP4": 7}  # quant.cuh
 QK_NORMS = {"none": 0, "full": 1, "per_head": 2}  # S2QkNorm
+ACTS = {"swiglu": 0, "swiglu_clamped": 1}  # S2ExpertAct
 
 _MODULES: dict[int, tuple] = {}
 
@@ -242,21 +245,24 @@ class DeviceOps(ReferenceOps):
         I = info
         pairs = sorted((t, j, float(m)) for j, (_, ts, ws) in enumerate(group) for t, m in zip(ts, ws))
         P = len(pairs)
-        table = np.empty(6 * P + T + 1, dtype=np.int64)
+        table = np.empty(9 * P + T + 1, dtype=np.int64)
         parts = [[self._weight(m) for m in (w.gate, w.up, w.down)] for w, _, _ in group]
         addresses = [[_ptr(i[0]) for i in ps] for ps in parts]
         types = [ps[0][1] | ps[1][1] << 8 | ps[2][1] << 16 for ps in parts]
+        biases = [[0 if b is None else _ptr(b) for b in (w.gate_bias, w.up_bias, w.down_bias)] for w, _, _ in group]
         for n, (t, j, m) in enumerate(pairs):
             table[3 * n:3 * n + 3] = addresses[j]
+            table[6 * P + 3 * n:6 * P + 3 * n + 3] = biases[j]
         table[3 * P:4 * P] = [t for t, _, _ in pairs]
         table[4 * P:5 * P].view(np.float64)[:] = [m for _, _, m in pairs]
         table[5 * P:6 * P] = [types[j] for _, j, _ in pairs]
-        table[6 * P:] = np.searchsorted([t for t, _, _ in pairs], np.arange(T + 1), side="left")
+        table[9 * P:] = np.searchsorted([t for t, _, _ in pairs], np.arange(T + 1), side="left")
         table = xp.asarray(table)
         hidden = xp.empty((P, I), dtype=xp.float32)
         out = xp.empty((T, H), dtype=xp.float32) if out is None else out
-        self._launch("s2_experts_gate_up", P * I, (x, xp.int32(H), xp.int32(I), xp.int32(P), table, hidden),
-                     warps=True)
+        self._launch("s2_experts_gate_up", P * I,
+                      (x, xp.int32(H), xp.int32(I), xp.int32(P), table, xp.int32(ACTS[act.kind]), xp.float32(act.alpha),
+                       xp.float32(act.limit), hidden), warps=True)
         self._launch("s2_experts_down", T * H,
                      (hidden, xp.int32(H), xp.int32(I), xp.int32(T), xp.int32(P), table, base, out), warps=True)
         return out
@@ -264,17 +270,19 @@ class DeviceOps(ReferenceOps):
     def _experts_info(self, x, group, act, base, out):
         """The intermediate width when the grouped kernels take ``group`` (each matrix of any
         kernel type), else None."""
-        if act.kind != "swiglu" or not group or not self._tokens(x) or not self._is(base, 2):
+        if act.kind not in ACTS or not group or not self._tokens(x) or not self._is(base, 2):
             return None
         T, H = x.shape
         if base.shape != (T, H) or (out is not None and not (self._is(out, 2) and out.shape == (T, H))):
             return None
         widths = set()
         for w, ts, _ in group:
-            if w.gate_bias is not None or w.up_bias is not None or w.down_bias is not None:
-                return None
             parts = [self._weight(m) for m in (w.gate, w.up, w.down)]
             if any(i is None or i[4:] != (i[3], 1) for i in parts):
+                return None
+            widths_of = (parts[0][2], parts[1][2], parts[2][2])  # gate and up: I rows; down: H rows
+            if any(b is not None and not (self._is(b, 1) and b.shape[0] == n)
+                   for b, n in zip((w.gate_bias, w.up_bias, w.down_bias), widths_of)):
                 return None
             (_, _, ig, hg, _, _), (_, _, iu, hu, _, _), (_, _, hd, id_, _, _) = parts
             if not (ig == iu == id_ and hg == hu == hd == H) or any(not 0 <= t < T for t in ts):

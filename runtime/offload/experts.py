@@ -25,7 +25,7 @@ from ..model.formats.tensors import TensorRef, decode_array
 
 @dataclass
 class ExpertWeights:
-    gate: StoredMatrix | np.ndarray  # [I, H]; float32 arrays on a device backend
+    gate: StoredMatrix | np.ndarray  # [I, H]; `DeviceStored` (or a device array) on a device backend
     up: StoredMatrix | np.ndarray  # [I, H]
     down: StoredMatrix | np.ndarray  # [H, I]
     gate_bias: np.ndarray | None = None  # [I] float32
