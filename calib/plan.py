@@ -55,7 +55,7 @@ def run_plan(loaded, budget: str | None, ctx: int, draft_cap: int, backend, kern
                        reference_kernels=ops.name == "numpy", expert_bytes=expert_size(backend), direct=True,
                        draft_head=draft_head_bytes(loaded, draft_vocab, backend.on_device),
                        staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if backend.on_device else 0,
-                       cache_type=resolve_cache_type(cache_type, loaded.config, backend.on_device))
+                       cache_type=resolve_cache_type(cache_type, loaded.config))
 
 
 def profile_context(data: dict, where: str) -> int:

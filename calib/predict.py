@@ -126,7 +126,7 @@ def predict(
                                expert_bytes=(lambda refs: refs.resident_bytes_for(not on_device)),
                                draft_head=draft_head_bytes(loaded, int(settings.get("draft_vocab") or 0), on_device),
                                staged_prefetches=default_prefetch_slots(loaded.config, parsed.full) if on_device else 0,
-                               cache_type=resolve_cache_type("auto", loaded.config, on_device))
+                               cache_type=resolve_cache_type("auto", loaded.config))
             capacity = None if plan.expert_capacity >= plan.expert_total else plan.expert_capacity
             if capacity is None or sum(map(size, hot)) <= capacity:
                 return capacity, hot

@@ -221,7 +221,7 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
 
         # hot experts for the budget (traces run with no budget in the way)
         model = MoEModel(loaded, ExpertCache(store, capacity_bytes=None, place=arrays.upload_expert), arrays)
-        model.cache_type = resolve_cache_type("auto", loaded.config, arrays.on_device)  # as runs hold it
+        model.cache_type = resolve_cache_type("auto", loaded.config)  # as runs hold it
         t = progress.add_task("routing traces (hot experts)", total=len(profiling) + len(heldout))
         tick = lambda: progress.advance(t)  # noqa: E731
         residency = gathered.get("hot_experts")

@@ -137,14 +137,27 @@ extern "C" __global__ void s2_embed(const void* w, int type, const long long* id
     y[i] = s2_value((const unsigned char*)w + ids[i / H] * s2_row_bytes(type, H), type, H, i % H);
 }
 
+// Element i of a KV cache kept as float32 or (kv_half) IEEE half.
+S2_HD inline float s2_kv_load(const void* kv, long i, int kv_half) {
+    return kv_half ? s2_half_to_float(((const unsigned short*)kv)[i]) : ((const float*)kv)[i];
+}
+
+S2_HD inline void s2_kv_store(void* kv, long i, float v, int kv_half) {
+    if (kv_half)
+        ((unsigned short*)kv)[i] = s2_float_to_half(v);
+    else
+        ((float*)kv)[i] = v;
+}
+
 // From qkv [T, (nh + 2·nkv)·D] (s2_linear's q | k | v), one thread per (token, q or k head):
 // the optional q/k RMSNorm (S2_QK_FULL: over the whole projection, each thread summing it itself;
 // S2_QK_PER_HEAD: over its head), RoPE with cos/sin [T, D/2] (halves, or adjacent pairs with
-// interleave), q into q_out [T, nh·D], k (and its head's v) into the cache [nkv, cap, D] at start + t.
+// interleave), q into q_out [T, nh·D], k (and its head's v) into the cache [nkv, cap, D] at start + t
+// (float32, or IEEE half with kv_half: rounded to nearest even, as the reference's f16 cache).
 extern "C" __global__ void s2_qk_rope_kv(const float* qkv, int T, int nh, int nkv, int D, int norm_mode,
                                          const float* q_norm, const float* k_norm, float eps, const float* cos,
                                          const float* sin, int interleave, int start, int cap, float* q_out,
-                                         float* keys, float* values) {
+                                         void* keys, void* values, int kv_half) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     int heads = nh + nkv;
     if (i >= T * heads || D > S2_MAX_HEAD_DIM) return;
@@ -165,30 +178,33 @@ extern "C" __global__ void s2_qk_rope_kv(const float* qkv, int T, int nh, int nk
     }
     float v[S2_MAX_HEAD_DIM];
     for (int j = 0; j < D; ++j) v[j] = norm_mode ? src[j] / denom * nw[woff + j] : src[j];
-    float* dst = is_q ? q_out + ((long)t * nh + hd) * D : keys + ((long)kh * cap + start + t) * D;
+    void* dst = is_q ? (void*)(q_out + ((long)t * nh + hd) * D) : keys;
+    long at = is_q ? 0 : ((long)kh * cap + start + t) * D;
+    int half = is_q ? 0 : kv_half;
     const float* c = cos + (long)t * (D / 2);
     const float* s = sin + (long)t * (D / 2);
     for (int j = 0; j < D / 2; ++j) {
         int a = interleave ? 2 * j : j, b = interleave ? 2 * j + 1 : j + D / 2;
-        dst[a] = v[a] * c[j] - v[b] * s[j];
-        dst[b] = v[b] * c[j] + v[a] * s[j];
+        s2_kv_store(dst, at + a, v[a] * c[j] - v[b] * s[j], half);
+        s2_kv_store(dst, at + b, v[b] * c[j] + v[a] * s[j], half);
     }
     if (!is_q) {
         const float* vsrc = row + (long)(nh + nkv) * D + (long)kh * D;
-        float* vdst = values + ((long)kh * cap + start + t) * D;
-        for (int j = 0; j < D; ++j) vdst[j] = vsrc[j];
+        for (int j = 0; j < D; ++j) s2_kv_store(values, at + j, vsrc[j], kv_half);
     }
 }
 
-// Online softmax of q · K[s] · scale over the slots [s0, s1) that ``allow`` [S] marks, times V:
+// Online softmax of q · K[s] · scale over the slots [s0, s1) that ``allow`` [S] marks, times V (the
+// head's slots from element ``base`` of the cache, float32 or half):
 // running max m, normaliser l and unnormalised sum acc [D] (m = -FLT_MAX, l = 0: no slot yet).
-S2_HD inline void s2_attend_span(const float* qv, const float* keys, const float* values, const unsigned char* allow,
-                                 int s0, int s1, int D, float scale, float* m, float* l, float* acc) {
+S2_HD inline void s2_attend_span(const float* qv, const void* keys, const void* values, long base,
+                                 const unsigned char* allow, int s0, int s1, int D, int kv_half, float scale, float* m,
+                                 float* l, float* acc) {
     for (int s = s0; s < s1; ++s) {
         if (!allow[s]) continue;
-        const float* k = keys + (long)s * D;
+        long k = base + (long)s * D;
         float dot = 0.f;
-        for (int d = 0; d < D; ++d) dot += qv[d] * k[d];
+        for (int d = 0; d < D; ++d) dot += qv[d] * s2_kv_load(keys, k + d, kv_half);
         float score = dot * scale;
         if (score > *m) {  // rescale what was summed under the old max
             float corr = expf(*m - score);
@@ -198,19 +214,19 @@ S2_HD inline void s2_attend_span(const float* qv, const float* keys, const float
         }
         float p = expf(score - *m);
         *l += p;
-        const float* v = values + (long)s * D;
-        for (int d = 0; d < D; ++d) acc[d] += p * v[d];
+        for (int d = 0; d < D; ++d) acc[d] += p * s2_kv_load(values, k + d, kv_half);
     }
 }
 
 // Grouped-query attention over the slots allowed [T, S] (bool) marks; q [T, nh·D], cache
-// [nkv, cap, D], heads sharing a KV head in groups. One thread per (token, head, chunk of
+// [nkv, cap, D] (float32, or half with kv_half), heads sharing a KV head in groups. One thread per (token, head, chunk of
 // ``chunk`` slots): with one chunk it writes out [T, nh·D] itself, adding an optional sink logit
 // per head [nh] to the normaliser; with more (long contexts) it writes (m, l, acc) to part
 // [T·nh·C, D + 2] and s2_attend_merge finishes (chunks spread a long context over threads).
-extern "C" __global__ void s2_attend(const float* q, const float* keys, const float* values,
+extern "C" __global__ void s2_attend(const float* q, const void* keys, const void* values,
                                      const unsigned char* allowed, int T, int S, int nh, int nkv, int D, int cap,
-                                     float scale, int chunk, const float* sinks, float* out, float* part) {
+                                     int kv_half, float scale, int chunk, const float* sinks, float* out,
+                                     float* part) {
     int C = (S + chunk - 1) / chunk;
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)T * nh * C || D > S2_MAX_HEAD_DIM) return;
@@ -219,8 +235,8 @@ extern "C" __global__ void s2_attend(const float* q, const float* keys, const fl
     for (int d = 0; d < D; ++d) acc[d] = 0.f;
     float m = -3.402823466e38f, l = 0.f;
     int s1 = (c + 1) * chunk < S ? (c + 1) * chunk : S;
-    s2_attend_span(q + (long)th * D, keys + (long)kh * cap * D, values + (long)kh * cap * D, allowed + (long)t * S,
-                   c * chunk, s1, D, scale, &m, &l, acc);
+    s2_attend_span(q + (long)th * D, keys, values, (long)kh * cap * D, allowed + (long)t * S, c * chunk, s1, D,
+                   kv_half, scale, &m, &l, acc);
     if (C > 1) {
         float* o = part + i * (D + 2);
         o[0] = m, o[1] = l;

@@ -36,4 +36,8 @@ void s2_host_dequant(const unsigned char* w, int type, long N, long K, float* ou
     for (long r = 0; r < N; ++r)
         for (long u = 0; u * S2_UNIT < K; ++u) s2_unit(w + r * s2_row_bytes(type, K), type, K, u, out + r * K + u * S2_UNIT);
 }
+
+void s2_host_to_half(const float* x, long n, unsigned short* out) {
+    for (long i = 0; i < n; ++i) out[i] = s2_float_to_half(x[i]);
+}
 }

@@ -39,6 +39,26 @@ S2_HD inline float s2_half_to_float(unsigned short h) {
     return s2_bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));  // rebias 15 → 127
 }
 
+// float → IEEE half, rounding to nearest even as NumPy's astype(float16) does (an f16 KV cache).
+S2_HD inline unsigned short s2_float_to_half(float f) {
+    union { float f; unsigned int u; } c;
+    c.f = f;
+    unsigned int sign = (c.u >> 16) & 0x8000u, ax = c.u & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (unsigned short)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));  // inf, NaN
+    if (ax >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // rounds past 65504
+    if (ax < 0x38800000u) {  // below 2^-14: a subnormal half, f · 2^24 rounded
+        int e = (int)(ax >> 23), shift = 126 - e;
+        if (e == 0 || shift > 24) return (unsigned short)sign;
+        unsigned int m = (ax & 0x7fffffu) | 0x800000u, q = m >> shift, rem = m & ((1u << shift) - 1u);
+        unsigned int half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1u))) ++q;
+        return (unsigned short)(sign | q);
+    }
+    unsigned int h = (ax >> 13) - (112u << 10), rem = ax & 0x1fffu;  // rebias 127 → 15
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is right
+    return (unsigned short)(sign | h);
+}
+
 S2_HD inline float s2_f16_at(const unsigned char* p) { return s2_half_to_float((unsigned short)(p[0] | p[1] << 8)); }
 
 // Bytes of a row of K values (K a whole number of blocks: the host checks).

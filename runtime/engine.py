@@ -111,8 +111,7 @@ def build_engine(
     ``prefetch_slots``: experts a draft may have in flight for verification (default 2 × top-k
     under a budget, 0 when every expert is resident). They take their room in the expert cache, not
     in the plan, so every method runs in the same memory.
-    ``cache_type``: the KV cache's (model/kv_cache.py); auto is f16 on the host, f32 on a device
-    backend, whose attention kernels read float32."""
+    ``cache_type``: the KV cache's (model/kv_cache.py); auto is f16."""
     loaded = loaded or load_model(model_path, dense=False)
     parsed = Budget.parse(budget, budget_from)
     experts_only = Budget.parse(expert_budget, "--expert-budget") if expert_budget is not None else None
@@ -122,7 +121,7 @@ def build_engine(
     if offload_tier not in OFFLOAD_TIERS:
         raise UsageError(f"--offload-tier {offload_tier!r}: choose from {', '.join(OFFLOAD_TIERS)}")
     ops = select_ops(kernels, threads, backend)
-    cache_type = resolve_cache_type(cache_type, loaded.config, backend.on_device)
+    cache_type = resolve_cache_type(cache_type, loaded.config)
     # the fast tier lives where the math runs, at stored size on the host (page-rounded under
     # O_DIRECT) and on a device (exact allocations)
     size_of = (lambda refs: refs.resident_bytes_for(False)) if backend.on_device else \

@@ -31,6 +31,7 @@ def library():
                                          _i32, _f32]
     lib.s2_host_reuse_gating.restype = ctypes.c_int
     lib.s2_host_dequant.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, _f32]
+    lib.s2_host_to_half.argtypes = [_f32, ctypes.c_long, np.ctypeslib.ndpointer(np.uint16, flags="C_CONTIGUOUS")]
     return lib
 
 
@@ -66,3 +67,11 @@ def dequant(data: np.ndarray, type_id: int, N: int, K: int) -> np.ndarray:
     data = np.ascontiguousarray(data, np.uint8)
     library().s2_host_dequant(data.ctypes.data_as(ctypes.c_void_p), type_id, N, K, out)
     return out
+
+
+def to_half(x: np.ndarray) -> np.ndarray:
+    """float32 → float16 as the device kernels round (csrc/quant.cuh s2_float_to_half)."""
+    x = np.ascontiguousarray(x, np.float32).reshape(-1)
+    out = np.zeros(x.size, np.uint16)
+    library().s2_host_to_half(x, x.size, out)
+    return out.view(np.float16)

@@ -40,10 +40,10 @@ def test_a_30b_model_on_a_16_gb_orin_is_planned_in_one_line_and_fits(qwen3_30b):
     assert plan["expert_capacity_bytes"] == int(plan["expert_share"] * plan["expert_total_bytes"]) or \
         abs(plan["expert_capacity_bytes"] / plan["expert_total_bytes"] - plan["expert_share"]) < 1e-4
     assert 0.5 < plan["expert_share"] < 0.8
-    assert plan["kv_cache_type"] == "f32"  # as a device run keeps it: the fused attention reads float32
-    _, half, _ = s2moe("info", "--model", qwen3_30b, "--device", "orin-16g", "--cache-type", "f16", "--json")
-    half = json.loads(half)["device_plan"]
-    assert half["kv_bytes"] * 2 == plan["kv_bytes"] and half["expert_capacity_bytes"] > plan["expert_capacity_bytes"]
+    assert plan["kv_cache_type"] == "f16"  # as a device run keeps it: the fused attention reads f16
+    _, full, _ = s2moe("info", "--model", qwen3_30b, "--device", "orin-16g", "--cache-type", "f32", "--json")
+    full = json.loads(full)["device_plan"]
+    assert full["kv_bytes"] == 2 * plan["kv_bytes"] and full["expert_capacity_bytes"] < plan["expert_capacity_bytes"]
     code, table, _ = s2moe("info", "--model", qwen3_30b, "--device", "orin-16g")
     line = table.splitlines()[0]
     assert code == 0 and line == plan["line"]

@@ -21,7 +21,7 @@ from s2moe.runtime.model.config import ModelConfig
 from s2moe.runtime.model.kv_cache import KVCache
 from s2moe.runtime.offload.experts import ExpertWeights
 from test_kernels import random_matrix
-from csrc_host import dequant
+from csrc_host import dequant, to_half
 
 fake = fake_cupy.module
 ref = ReferenceOps()
@@ -94,6 +94,18 @@ def test_the_device_decodes_every_block_as_gguf_does(dtype):
     rng = np.random.default_rng(3)
     m = _matrix(rng, dtype, 5, 512)
     np.testing.assert_array_equal(dequant(m.data, WEIGHT_TYPES[dtype], 5, 512), m.dequantize())
+
+
+def test_the_device_rounds_to_half_as_numpy_does():  # the f16 KV cache's writes
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.integers(0, 2 ** 32, 1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        np.float32([0, -0.0, 65504, 65519.99, 65520, 2 ** -24, 2 ** -25, 3 * 2 ** -26, 2 ** -14,
+                                    np.inf, -np.inf, np.nan, 1 + 2 ** -11, 1 + 3 * 2 ** -11])])  # the last: ties
+    with np.errstate(all="ignore"):
+        want = x.astype(np.float16)
+    got = to_half(x)
+    same = (got.view(np.uint16) == want.view(np.uint16)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), x[~same][:5]
 
 
 @pytest.mark.parametrize("dtypes", [(t,) * 3 for t in BLOCK_TYPES] + [Q4_K_M, MIXED])
@@ -175,8 +187,9 @@ def _config(qk_norm: str, interleave: bool, sinks: bool) -> ModelConfig:
                                                       ("per_head", True, False), ("none", True, True)])
 @pytest.mark.parametrize("start,T,tree", [(0, 1, False), (5, 1, False), (3, 7, True), (2, MAX_TOKENS, False),
                                           (3000, 9, True)])  # thousands of positions: split-K over 12 chunks
-@pytest.mark.parametrize("chunk", [256, 3])  # 3: contexts longer than a chunk, split over threads and merged
-def test_attention_block_equals_the_reference(dev, monkeypatch, qk_norm, interleave, sinks, start, T, tree, chunk):
+@pytest.mark.parametrize("chunk,cache", [(256, "f32"), (3, "f32"), (256, "f16")])  # 3: contexts longer than a
+def test_attention_block_equals_the_reference(dev, monkeypatch, qk_norm, interleave, sinks, start, T, tree, chunk,
+                                              cache):  # chunk, split over threads and merged
     from s2moe.runtime.kernels import device
 
     monkeypatch.setattr(device, "ATTEND_CHUNK", chunk)
@@ -201,7 +214,7 @@ def test_attention_block_equals_the_reference(dev, monkeypatch, qk_norm, interle
     allowed = np.ones((T, start + T), dtype=bool)
     allowed[:, start:] = np.tril(rng.random((T, T)) < 0.6) | np.eye(T, dtype=bool) if tree else np.tril(np.ones((T, T)))
     cap = max(32, start + T)
-    kv_h, kv_d = KVCache(1, nkv, D, cap), KVCache(1, nkv, D, cap, xp=fake)
+    kv_h, kv_d = KVCache(1, nkv, D, cap, cache_type=cache), KVCache(1, nkv, D, cap, xp=fake, cache_type=cache)
     context = rng.standard_normal((2, nkv, start, D)).astype(np.float32)
     for kv, put in ((kv_h, lambda a: a), (kv_d, up)):
         kv.begin_write(0, start + T)
@@ -211,9 +224,13 @@ def test_attention_block_equals_the_reference(dev, monkeypatch, qk_norm, interle
                                                  tuple(map(up, cs)), up(allowed)))
     merge = ["s2_attend_merge"] if start + T > chunk else []
     assert names == ["s2_linear", "s2_qk_rope_kv", "s2_attend", *merge, "s2_linear"]
-    np.testing.assert_allclose(fake.asnumpy(got), want, **TOL)
+    # an f16 cache: a key whose float32 value differs in its last bit may round to the next half
+    tol = TOL if cache == "f32" else dict(rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(fake.asnumpy(got), want, **tol)
     for cached, written in zip((kv_h.keys[0], kv_h.values[0]), (kv_d.keys[0], kv_d.values[0])):
-        np.testing.assert_allclose(fake.asnumpy(written)[:, :start + T], cached[:, :start + T], **TOL)
+        assert written.dtype == cached.dtype  # the kernel wrote the cache in its own type
+        np.testing.assert_allclose(fake.asnumpy(written)[:, :start + T].astype(np.float32),
+                                   cached[:, :start + T].astype(np.float32), **tol)
 
 
 def test_attention_block_declines_what_it_does_not_take(dev):

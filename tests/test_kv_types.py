@@ -165,7 +165,7 @@ def test_q8_0_on_widths_without_whole_blocks_is_one_line(tiny_model_dirs):
     from s2moe.runtime.model.loader import load_model
 
     c = load_model(tiny_model_dirs["qwen3_moe"][1], dense=False).config
-    assert resolve_cache_type("auto", c) == "f16" and resolve_cache_type("auto", c, on_device=True) == "f32"
+    assert resolve_cache_type("auto", c) == "f16"
     r = subprocess.run([sys.executable, "-m", "s2moe.runtime.cli", "run", "-m", tiny_model_dirs["qwen3_moe"][1],
                         "-p", "def", "-n", "2", "--cache-type", "q8_0"], capture_output=True, text=True, timeout=300)
     lines = [line for line in r.stderr.splitlines() if line.strip()]

@@ -493,8 +493,8 @@ CORE: list[Mutation] = [
              "kv = kv_bytes_per_position(c) * kv_positions", ["tests/test_kv_types.py"], "the plan counts a rounded KV cache at float32"),
     Mutation("kv-q8-row-bytes", "runtime/model/kv_cache.py", "return width // Q8_BLOCK * Q8_BYTES",
              "return width // Q8_BLOCK * Q8_BLOCK", ["tests/test_kv_types.py"], "a q8_0 row counted without its scales"),
-    Mutation("kv-default-f32", "runtime/model/kv_cache.py", 'chosen = ("f32" if on_device else "f16")',
-             'chosen = "f32"', ["tests/test_kv_types.py"], "runs keep a float32 KV cache by default"),
+    Mutation("kv-default-f32", "runtime/model/kv_cache.py", 'chosen = "f16" if cache_type in (None, "auto")',
+             'chosen = "f32" if cache_type in (None, "auto")', ["tests/test_kv_types.py"], "runs keep a float32 KV cache by default"),
     # -- start like mmap (offload/fill.py) --------------------------------------------------------------
     Mutation("fill-during-prompt", "runtime/offload/fill.py", 'WAIT_PHASES = ("prefill", "load", "estimate")',
              'WAIT_PHASES = ("load", "estimate")',
@@ -566,6 +566,12 @@ CORE: list[Mutation] = [
              "u = u;", ["tests/test_fused_kernels.py", "-k", "gpt_oss"], "GPT-OSS's up projection not clamped"),
     Mutation("device-down-bias-per-lane", "csrc/decode.cuh", "(bd && lane == 0 ? bd[j] : 0.f)", "(bd ? bd[j] : 0.f)",
              ["tests/test_fused_kernels.py", "-k", "gpt_oss"], "the down bias added once per lane (32 times)"),
+    Mutation("device-half-rounds-down", "csrc/quant.cuh", "if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;",
+             "if (rem > 0x1000u) ++h;", ["tests/test_fused_kernels.py", "-k", "half"],
+             "the device's f16 KV rounds ties down, not to even"),
+    Mutation("device-kv-read-as-float", "csrc/decode.cuh", "dot += qv[d] * s2_kv_load(keys, k + d, kv_half);",
+             "dot += qv[d] * s2_kv_load(keys, k + d, 0);", ["tests/test_fused_kernels.py", "-k", "attention"],
+             "an f16 cache's keys read as float32"),
     Mutation("device-plan-no-reserve", "runtime/cli/info.py", "    budget = memory - reserve\n",
              "    budget = memory\n", ["tests/test_device_plan.py"], "the device plan leaves nothing for the OS and CUDA"),
 ]

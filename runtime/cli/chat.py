@@ -119,7 +119,7 @@ class Session:
             self.context = _run.context_length(c, o.ctx_size)
         else:  # as serve: the trained length, capped so the KV cache takes a quarter of the memory
             self.context = _serve.default_context(loaded, chosen.budget,
-                                                  resolve_cache_type(o.cache_type, c, arrays.on_device))
+                                                  resolve_cache_type(o.cache_type, c))
         slack = 2 * max(settings.draft_cap, 8) + 2  # drafted positions past the context, rolled back
         self.engine = _run.open_engine(
             loaded, spec, settings, chosen, arrays, self.context + slack, batch=max(64, 1 + 2 * settings.draft_cap),

@@ -122,14 +122,11 @@ def _device_profile(device: str) -> tuple[str, dict]:
     return os.path.basename(path)[:-5], section
 
 
-def device_plan(loaded, device: str, positions: int, cache_type: str = "auto") -> dict:
+def device_plan(loaded, device: str, positions: int, cache_type: str = "f16") -> dict:
     """The memory plan of this model on ``device``: its memory less what the system keeps, as the
-    budget, experts held at their stored bytes by the device kernels, the KV cache as a device run
-    keeps it (auto: float32, what the fused attention reads); and the plan in one line."""
-    from ..model.kv_cache import resolve_cache_type
+    budget, experts held at their stored bytes by the device kernels; and the plan in one line."""
     from ..offload.memory import Budget, plan_memory
 
-    cache_type = resolve_cache_type(cache_type, loaded.config, on_device=True)
     name, d = _device_profile(device)
     unified = d["kind"] == "orin"
     memory = int(d["memory_bytes"])
@@ -154,7 +151,7 @@ def info(
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Show the memory plan for this budget (16g, 512m, 0.25)."),
     expert_budget: Optional[str] = typer.Option(None, "--expert-budget", help="… and this expert budget."),
     ctx: Optional[int] = typer.Option(None, "--ctx-size", min=1, help="KV positions to plan for (default: the model's context, at most 4096)."),
-    cache_type: str = typer.Option("auto", "--cache-type", help="KV cache type to plan: f32, f16 or q8_0 (auto: f16; f32 for --device)."),
+    cache_type: str = typer.Option("auto", "--cache-type", help="KV cache type to plan: f32, f16 or q8_0 (auto: f16)."),
     device: Optional[str] = typer.Option(None, "--device", help="Plan for a device: a preset (orin-16g, orin-32g, orin-64g, rtx4090) or a profile .json; shows dense, resident experts, KV and workspace in one line."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ):
@@ -165,13 +162,13 @@ def info(
         loaded = load_model(resolve_model(model), dense=False)  # sizes come from the index: nothing read
         from ..model.kv_cache import resolve_cache_type
 
-        asked_cache_type, cache_type = cache_type, resolve_cache_type(cache_type, loaded.config)
+        cache_type = resolve_cache_type(cache_type, loaded.config)
         facts = describe(loaded, cache_type)
         facts["kv_cache_type"] = cache_type
         positions = ctx or min(loaded.config.max_position_embeddings or 4096, 4096)
         facts["memory_plan"] = memory_plan(loaded, budget, expert_budget, positions, cache_type=cache_type)
         if device:
-            facts["device_plan"] = device_plan(loaded, device, positions, asked_cache_type)
+            facts["device_plan"] = device_plan(loaded, device, positions, cache_type)
         if json_out:
             print_json(facts)
             return

@@ -64,7 +64,7 @@ def serve(
                 "trained for; quality past them is not known", "yellow")
         chosen = apply_profile(profile, loaded, budget, None)
         arrays = select_backend("auto")
-        context = ctx_size or default_context(loaded, chosen.budget, resolve_cache_type(cache_type, c, arrays.on_device))
+        context = ctx_size or default_context(loaded, chosen.budget, resolve_cache_type(cache_type, c))
         settings = make_settings(c, None, None, None, None, SpecSettings.rg_variant, chosen.profile, acceptance=acceptance,
                                  ae_lookahead=ae_lookahead, draft_vocab=draft_vocab, token_ranks=token_ranks)
         check_draft_vocab(loaded, settings, draft_vocab)

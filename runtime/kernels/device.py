@@ -189,8 +189,10 @@ class DeviceOps(ReferenceOps):
         S = start + T
         cos, sin = cs
         keys, values = kv.keys[L], kv.values[L]
+        kv_type = getattr(keys, "dtype", None)  # a float32 or f16 cache (q8_0: the op-by-op path)
         shapes_ok = (all(self._is(a, 2) and a.shape == (T, D // 2) for a in (cos, sin))
-                     and all(self._is(a, 3) and a.shape[0] == nkv and a.shape[2] == D and a.shape[1] >= S
+                     and kv_type in (np.float32, np.float16)
+                     and all(self._is(a, 3, kv_type) and a.shape[0] == nkv and a.shape[2] == D and a.shape[1] >= S
                              for a in (keys, values))
                      and self._is(allowed, 2, np.bool_) and allowed.shape == (T, S))
         norms = (W.get(p + "q_norm"), W.get(p + "k_norm"))
@@ -214,14 +216,15 @@ class DeviceOps(ReferenceOps):
         self._launch("s2_qk_rope_kv", T * (nh + nkv),
                      (qkv, xp.int32(T), xp.int32(nh), xp.int32(nkv), xp.int32(D), xp.int32(mode), qn, kn,
                       xp.float32(c.rms_norm_eps), cos, sin, xp.int32(int(c.rope_interleave)), xp.int32(start),
-                      xp.int32(keys.shape[1]), q, keys, values))
+                      xp.int32(keys.shape[1]), q, keys, values, xp.int32(kv_type == np.float16)))
         out = xp.empty((T, nh * D), dtype=xp.float32)
         chunks = -(-S // ATTEND_CHUNK)  # a long context: spread over threads, then merged
         part = xp.empty((T * nh * chunks, D + 2), dtype=xp.float32) if chunks > 1 else xp.intp(0)
         sinks = xp.intp(0) if sinks is None else sinks
         self._launch("s2_attend", T * nh * chunks,
                      (q, keys, values, allowed, xp.int32(T), xp.int32(S), xp.int32(nh), xp.int32(nkv), xp.int32(D),
-                      xp.int32(keys.shape[1]), xp.float32(c.attn_scale), xp.int32(ATTEND_CHUNK), sinks, out, part))
+                      xp.int32(keys.shape[1]), xp.int32(kv_type == np.float16), xp.float32(c.attn_scale),
+                      xp.int32(ATTEND_CHUNK), sinks, out, part))
         if chunks > 1:
             self._launch("s2_attend_merge", T * nh,
                          (part, xp.int32(T), xp.int32(nh), xp.int32(D), xp.int32(chunks), sinks, out))

@@ -48,10 +48,10 @@ def check_cache_type(cache_type: str, config) -> str:
     return cache_type
 
 
-def resolve_cache_type(cache_type: str | None, config, on_device: bool = False) -> str:
-    """``--cache-type`` as a run uses it: auto is f16 on the host and f32 on a device backend (its
-    attention kernels read float32), checked against the model's widths."""
-    chosen = ("f32" if on_device else "f16") if cache_type in (None, "auto") else cache_type
+def resolve_cache_type(cache_type: str | None, config) -> str:
+    """``--cache-type`` as a run uses it (auto: f16, on the host and on a device, whose attention
+    kernels read it), checked against the model's widths."""
+    chosen = "f16" if cache_type in (None, "auto") else cache_type
     return check_cache_type(chosen, config)
 
 
