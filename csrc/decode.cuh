@@ -1,5 +1,6 @@
 // Fused decode kernels (issue 19): a decode token was ~630 small device ops; these put a layer's
-// norms, projections, RoPE + KV write, attention and grouped experts into 8 launches.
+// norms, projections, RoPE + KV write, attention and grouped experts into 7 launches (8 when a long
+// context needs the attention merge).
 // runtime/kernels/device.py checks every limit on the host and takes the op-by-op path beyond them.
 //
 // Products give each output one warp: its lanes take the row's 32-value units in turn, decode each
@@ -9,16 +10,7 @@
 // split over chunks of the context (one thread each) and merged: long contexts spread out.
 #pragma once
 
-#include "quant.cuh"
-
-#ifndef S2_HD
-#ifdef __CUDACC__
-#define S2_HD __host__ __device__
-#else
-#define S2_HD
-#include <cmath>
-#endif
-#endif
+#include "quant.cuh"  // (S2_HD, the weight types and their decoders)
 
 #define S2_MAX_HEAD_DIM 256
 #define S2_MAX_TOKENS 16  // MAX_TOKENS in runtime/kernels/device.py

@@ -1,7 +1,8 @@
 """What a first real CUDA run would hit, checked on the strict CPU stand-in (tests/fake_cupy.py):
 missing CUDA libraries, the csrc kernels' source and limits (their CUDA source run on the CPU),
 staging layout, fetches timed to completion, the integrated-GPU (Orin) path, greedy tokens against
-NumPy for both tiers and three budgets, launch and sync counts, and benchmarks/gpu.py without a GPU."""
+NumPy for both tiers and three budgets, launch and sync counts (on the default model and on two
+real-shaped Q4_K + Q6_K layers), and benchmarks/gpu.py without a GPU and as a dry run."""
 
 from __future__ import annotations
 
