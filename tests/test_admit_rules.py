@@ -160,8 +160,8 @@ def test_confidence_rule_admits_a_token_exactly_at_the_threshold():
     costs = CostConstants(t_ar=1.0, c_draft=0.25, t_exp_miss=0.0, t_exp_hit=0.0)
     model = StubModel(_chain(0.8), _chain(0.8), vocab=4, experts_of=_experts)
     dec = SpeculativeDecoder(model, get_method("confidence"), SpecSettings(draft_topk=1, draft_cap=1), costs)
-    seen, pick = [], dec._pick
-    dec._pick = lambda *args: seen.append(pick(*args)) or seen[-1]
+    seen, pick = [], dec.pick
+    dec.pick = lambda *args: seen.append(pick(*args)) or seen[-1]
     dec.generate([START], 3)
     theta = seen[0][1]  # the first draft token's probability as the rule reads it
     assert _first_draft_length("confidence", costs, cap=1, confidence_threshold=theta) == 1

@@ -1,5 +1,5 @@
 """A draft token's two expert predictions in one C call (csrc/cpu/predict.c, `CpuOps.ae_predict`,
-speculative.py `_predictions`) against the NumPy path they replace (`_predicted_experts`): the same
+speculative.py `predictions`) against the NumPy path they replace (`_predicted_experts`): the same
 experts for every gating setting, ties, and tier mask, and the same decoding run end to end."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_one_call_predicts_what_the_numpy_path_predicts(engine):
         before = rng.standard_normal((t, len(layers), E)) if t else None
         after = rng.standard_normal((1, len(layers), E)) if trial % 6 == 3 else None
         rec = _record(rows, layers, before, after)
-        got = dec._predictions(rec, batch, t)
+        got = dec.predictions(rec, batch, t)
         assert got == _numpy_path(dec, rec, batch, t), trial
         cases += got[1] is not None and got[1] != got[0]
     assert cases > 100  # gating moved the prediction in many of them
@@ -92,7 +92,7 @@ def test_one_call_matches_numpy_where_rows_are_many(engine):
         dec._available_rows = lambda ls, n, a=avail: a.copy()
         batch = {(int(rng.integers(40)), int(rng.integers(E))) for _ in range(60)}
         rec = _record(rows, layers)
-        assert dec._predictions(rec, batch) == _numpy_path(dec, rec, batch), trial
+        assert dec.predictions(rec, batch) == _numpy_path(dec, rec, batch), trial
 
 
 def test_the_one_call_is_taken_and_refuses_what_it_cannot_read(engine, monkeypatch):
@@ -101,7 +101,7 @@ def test_the_one_call_is_taken_and_refuses_what_it_cannot_read(engine, monkeypat
     calls = []
     real = CpuOps.ae_predict
     monkeypatch.setattr(CpuOps, "ae_predict", lambda self, *a: calls.append(a) or real(self, *a))
-    dec._predictions(_record(rows, range(4)), {(0, 1), (7, 99)})  # a key of another layer is left out
+    dec.predictions(_record(rows, range(4)), {(0, 1), (7, 99)})  # a key of another layer is left out
     assert len(calls) == 1 and calls[0][3] is not None  # both predictions, one call
     from s2moe import _cpu
     good = ([rows[i] for i in range(4)], [0, 1, 2, 3], 32, 4, {(0, 1)}, 1.0, None, 0.0, 0)
@@ -132,7 +132,7 @@ def test_the_one_call_is_taken_and_refuses_what_it_cannot_read(engine, monkeypat
     for L in range(4):
         strided.layers[L].logits = np.repeat(strided.layers[L].logits, 2, axis=1)[:, ::2]  # same values, not contiguous
     assert not strided.layers[0].logits.flags.c_contiguous
-    assert dec._predictions(strided, {(0, 1)}) == _numpy_path(dec, _record(rows, range(4)), {(0, 1)})
+    assert dec.predictions(strided, {(0, 1)}) == _numpy_path(dec, _record(rows, range(4)), {(0, 1)})
 
 
 @pytest.mark.parametrize("method", ["s2moe", "ca+ae"])
@@ -155,7 +155,7 @@ def test_a_decoding_run_is_the_same_on_either_path(method, monkeypatch):
 
 
 def test_a_greedy_draft_tokens_probability_is_softmaxs_bit_for_bit(engine):
-    """`_pick`'s NumPy path takes 1 / Σ exp(x − max) for the argmax instead of the whole softmax: the
+    """`pick`'s NumPy path takes 1 / Σ exp(x − max) for the argmax instead of the whole softmax: the
     same bits. (The CPU kernels' pick is held to this path in tests/test_greedy_pick.py.)"""
     from s2moe.runtime.decoding.sampling import draws_for
     from s2moe.runtime.model.routing import softmax
@@ -167,6 +167,6 @@ def test_a_greedy_draft_tokens_probability_is_softmaxs_bit_for_bit(engine):
         x = (rng.standard_normal(int(rng.integers(1, 7000))) * rng.uniform(0.01, 40)).astype(np.float32)
         if trial % 7 == 0:
             x[rng.permutation(x.size)[:x.size // 2]] = -np.inf
-        token, prob, dist = dec._pick(x, draws_for(dec.params), 0)
+        token, prob, dist = dec.pick(x, draws_for(dec.params), 0)
         assert token == int(np.argmax(x)) and dist is None
         assert prob == float(softmax(x.astype(np.float64))[token]), trial

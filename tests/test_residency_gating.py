@@ -150,7 +150,7 @@ def test_the_decoders_resident_gating_sees_what_the_tier_holds():
     outranks any importance), so expert 6 is favoured; the paper's E* is {0, 1, 2, 3}."""
     settings = SpecSettings(rg_variant="resident", rg_residency=2.0)
     dec = SpeculativeDecoder(_TierModel, get_method("s2moe"), settings, CostConstants(1, 1, 1, 1))
-    bias = dec._verify_policy([1.0, 0.8, 0.8]).selection_bias(0, _logits())
+    bias = dec.verify_policy([1.0, 0.8, 0.8]).selection_bias(0, _logits())
     assert 6 in set(np.nonzero(bias[0] > 0)[0])
 
 
@@ -240,7 +240,7 @@ def test_the_decoders_verification_gates_at_the_settings_strength():
     for strength in (0.0, 1.0, 2.0):
         dec = SpeculativeDecoder(_TierModel, get_method("s2moe"), SpecSettings(rg_strength=strength),
                                  CostConstants(1, 1, 1, 1))
-        bias[strength] = dec._verify_policy([1.0, 0.9, 0.8]).selection_bias(0, logits)
+        bias[strength] = dec.verify_policy([1.0, 0.9, 0.8]).selection_bias(0, logits)
     assert bias[0.0] is None
     assert bias[1.0] is not None and np.count_nonzero(bias[1.0]) >= 3
     np.testing.assert_array_equal(bias[2.0], 2 * bias[1.0])

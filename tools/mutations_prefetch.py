@@ -178,7 +178,7 @@ PREFETCH: list[Mutation] = [
     Mutation("tier-spread-from-sorted-wrong-end", "runtime/decoding/speculative.py",
              "            low, high = ordered[:, -1:], ordered[:, :1]", "            low, high = ordered[:, 1:2], ordered[:, :1]",
              ["tests/test_residency_gating.py"], "the resident E* scales a token's logits from its second best, not its lowest"),
-    # -- a draft token's two expert predictions in one C call (csrc/cpu/predict.c, speculative.py `_predictions`)
+    # -- a draft token's two expert predictions in one C call (csrc/cpu/predict.c, speculative.py `predictions`)
     Mutation("ae-predict-ties-to-higher-id", "csrc/cpu/predict.c",
              "            if (!taken[e] && (best < 0 || above(x[e], x[best]))) best = e;",
              "            if (!taken[e] && (best < 0 || !above(x[best], x[e]))) best = e;",

@@ -141,8 +141,8 @@ class SpeculativeDecoder:
             rows = rows + self.settings.rg_strength * gap[:, None] * favoured
         return {(L, e) for L, top in zip(layers, top_k_indices(rows, self.top_k).tolist()) for e in top}
 
-    def _predictions(self, record: RoutingRecord, batch: set[Key] | None,
-                     t: int = 0) -> tuple[set[Key], set[Key] | None]:
+    def predictions(self, record: RoutingRecord, batch: set[Key] | None,
+                    t: int = 0) -> tuple[set[Key], set[Key] | None]:
         """A draft pass's two predictions for its token t: `_predicted_experts` without and, if
         ``batch`` is given, with the batch (what it prefetches, what AE prices). One C call where
         the kernels have it (`CpuOps.ae_predict`: about 40 NumPy calls a pass otherwise), else the
@@ -207,7 +207,7 @@ class SpeculativeDecoder:
         star[np.arange(len(layers))[:, None], top_k_indices(g, size)] = True
         return avail & star
 
-    def _pick(self, logits: np.ndarray, draws, position: int) -> tuple[int, float, np.ndarray | None]:
+    def pick(self, logits: np.ndarray, draws, position: int) -> tuple[int, float, np.ndarray | None]:
         """Draft token at ``position`` from draft logits: (token, its probability, the law standard
         verification needs, else None)."""
         if self.params.greedy:  # softmax's value at the argmax is 1 / Σ exp(x − max)
@@ -268,7 +268,7 @@ class SpeculativeDecoder:
         Returns the draft logits after the root and the root's predicted experts (S's start)."""
         logits, rec = self.model.forward(feed, kv, policy=self.draft_policy, logits="last", head=self.draft_head)
         self.metrics.draft_passes += 1
-        predicted = self._predictions(rec, None, len(feed) - 1)[0]
+        predicted = self.predictions(rec, None, len(feed) - 1)[0]
         self._prefetch(predicted)
         return logits[-1], predicted
 
@@ -286,7 +286,7 @@ class SpeculativeDecoder:
                 token, dist = first, None
                 prob = float(softmax(logits.astype(np.float64))[token])
             else:
-                token, prob, dist = self._pick(logits, draws, base + len(d.tokens))
+                token, prob, dist = self.pick(logits, draws, base + len(d.tokens))
             if m.admit == "confidence" and prob < s.confidence_threshold:
                 break
             if dist is not None and m.admit == "confidence":
@@ -311,7 +311,7 @@ class SpeculativeDecoder:
                 next_logits, rec = self.model.forward([token], kv, policy=self.draft_policy, logits="last",
                                                       head=self.draft_head)
                 self.metrics.draft_passes += 1
-                plain, gated = self._predictions(rec, selected if m.admit == "utility" and not last else None)
+                plain, gated = self.predictions(rec, selected if m.admit == "utility" and not last else None)
                 self._prefetch(plain)  # verification will need these: read them now
             if m.admit == "utility" and not last:  # ΔC_ver(i|S): what token i adds beyond S under the gating
                 new = gated - selected
@@ -330,7 +330,9 @@ class SpeculativeDecoder:
         return d
 
     # -- verification ---------------------------------------------------------------------------
-    def _verify_policy(self, confidences: list[float]) -> RoutingPolicy:
+    def verify_policy(self, confidences: list[float]) -> RoutingPolicy:
+        """Verification's routing for a batch with these draft confidences (root: 1.0): the
+        target's, or reuse-aware gating's when the method gates (trace.py asks for it too)."""
         if not self.method.reuse_gating:
             return TARGET
         s = self.settings
@@ -379,7 +381,7 @@ class SpeculativeDecoder:
             tree[0, 0] = True
             for row, visible in mask_rows:
                 tree[row, visible] = True
-        policy = self._verify_policy(confidences)
+        policy = self.verify_policy(confidences)
         stats = getattr(self.cache, "stats", None)
         v = stats["verify"] if stats is not None else None
         before = (v.misses, v.hits) if v is not None else None

@@ -93,19 +93,20 @@ def draft_table(decoder, prompt: list[int], text: list[int]) -> list:
         chain = []
         with phase_of(model, "draft"):
             logits, rec = model.forward([root], kv, **draft)
-            root_keys = decoder._predictions(rec, None)[0]
+            root_keys = decoder.predictions(rec, None)[0]
             selected = set(root_keys)
             for i in range(cap):
-                token, q, _ = decoder._pick(logits[-1], draws, j + 1 + i)
+                token, q, _ = decoder.pick(logits[-1], draws, j + 1 + i)
                 logits, rec = model.forward([token], kv, **draft)
-                plain, gated = decoder._predictions(rec, selected if gate else None)
+                plain, gated = decoder.predictions(rec, selected if gate else None)
                 gated = plain if gated is None else gated
                 selected |= gated  # what AE's ΔC_ver sees when it drafts this far
                 chain.append([int(token), round(float(q), 6), keys(plain), keys(gated)])
         kv.rollback(P)
         batch = [root] + [t for t, _, _, _ in chain]
         with phase_of(model, "verify"):
-            out, rec = model.forward(batch, kv, start=P, policy=decoder._verify_policy([1.0] + [q for _, q, _, _ in chain]))
+            policy = decoder.verify_policy([1.0] + [q for _, q, _, _ in chain])
+            out, rec = model.forward(batch, kv, start=P, policy=policy)
         picks = [int(i) for i in np.argmax(np.asarray(out), axis=-1)]  # greedy: the target's pick after each row
         kept = next((i for i in range(cap) if picks[i] != chain[i][0]), cap)
         verified = [keys({(L, int(e)) for L, r in rec.layers.items() for e in r.experts[t] if e >= 0})
