@@ -20,9 +20,11 @@ enum S2QkNorm { S2_QK_NONE = 0, S2_QK_FULL = 1, S2_QK_PER_HEAD = 2 };
 #define S2_WARP 32
 #ifdef __CUDACC__
 // v[0..n) summed over the warp's 32 lanes (every lane gets the sums): a butterfly of shuffles.
+// (n ≤ S2_MAX_TOKENS; unrolled to that bound so v stays in registers.)
 __device__ inline void s2_warp_sum(float* v, int n) {
-    for (int i = 0; i < n; ++i)
-        for (int off = S2_WARP / 2; off > 0; off >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+    S2_UNROLL for (int i = 0; i < S2_MAX_TOKENS; ++i)
+        if (i < n)
+            for (int off = S2_WARP / 2; off > 0; off >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
 }
 #else
 void s2_warp_sum(float* v, int n);  // the CPU stand-in's (tests/fake_cupy.py): the same butterfly over its fibers
@@ -42,7 +44,7 @@ S2_HD inline float s2_lane_dot(const float* x, const unsigned char* row, int typ
     for (long u = lane; u * S2_UNIT < K; u += S2_WARP) {
         int n = s2_unit(row, type, K, u, v);
         const float* xu = x + u * S2_UNIT;
-        for (int i = 0; i < n; ++i) acc += xu[i] * v[i];
+        S2_UNROLL for (int i = 0; i < S2_UNIT; ++i) acc += i < n ? xu[i] * v[i] : 0.f;
     }
     return acc;
 }
@@ -62,17 +64,18 @@ extern "C" __global__ void s2_linear(const float* x, int T, int K, const float* 
     long col = ((long)blockIdx.x * blockDim.x + threadIdx.x) / S2_WARP;  // whole warps stay or leave together
     int lane = threadIdx.x % S2_WARP;
     if (col >= M || T > S2_MAX_TOKENS) return;
-    float denom[S2_MAX_TOKENS], acc[S2_MAX_TOKENS];
-    for (int t = 0; t < T; ++t) {
+    float denom[S2_MAX_TOKENS], acc[S2_MAX_TOKENS];  // (token loops: constant bounds, guarded: registers)
+    S2_UNROLL for (int t = 0; t < S2_MAX_TOKENS; ++t) {
         acc[t] = 0.f;
-        if (norm)
+        if (norm && t < T)
             for (int j = lane; j < K; j += S2_WARP) acc[t] += x[(long)t * K + j] * x[(long)t * K + j];
     }
     if (norm) s2_warp_sum(acc, T);
-    for (int t = 0; t < T; ++t) denom[t] = norm ? sqrtf(acc[t] / K + eps) : 1.f;
+    S2_UNROLL for (int t = 0; t < S2_MAX_TOKENS; ++t) denom[t] = norm ? sqrtf(acc[t] / K + eps) : 1.f;
     long jn = col * S2_WARP + lane;
     if (xn && jn < K)
-        for (int t = 0; t < T; ++t) xn[(long)t * K + jn] = x[(long)t * K + jn] / denom[t] * norm[jn];
+        S2_UNROLL for (int t = 0; t < S2_MAX_TOKENS; ++t)
+            if (t < T) xn[(long)t * K + jn] = x[(long)t * K + jn] / denom[t] * norm[jn];
     if (col >= N) return;
     long r = col;
     const void* w = w0;
@@ -82,30 +85,32 @@ extern "C" __global__ void s2_linear(const float* x, int T, int K, const float* 
         r -= n0, w = w1, b = b1, type = t1;
         if (r >= n1) r -= n1, w = w2, b = b2, type = t2;
     }
-    for (int t = 0; t < T; ++t) acc[t] = 0.f;
+    S2_UNROLL for (int t = 0; t < S2_MAX_TOKENS; ++t) acc[t] = 0.f;
     if (cs == 1) {  // row-major: units decoded once, used by every token
         const unsigned char* row = (const unsigned char*)w + r * s2_row_bytes(type, rs);
         float v[S2_UNIT];
         for (long u = lane; u < units; u += S2_WARP) {
-            int n = s2_unit(row, type, K, u, v);
-            if (norm)
-                for (int i = 0; i < n; ++i) v[i] *= norm[u * S2_UNIT + i];
-            for (int t = 0; t < T; ++t) {
+            int n = s2_unit(row, type, K, u, v);  // (past n: zeros, and x is not read there)
+            S2_UNROLL for (int i = 0; i < S2_UNIT; ++i) v[i] *= (norm && i < n) ? norm[u * S2_UNIT + i] : 1.f;
+            S2_UNROLL for (int t = 0; t < S2_MAX_TOKENS; ++t) {
+                if (t >= T) continue;
                 const float* xu = x + (long)t * K + u * S2_UNIT;
                 float s = 0.f;
-                for (int i = 0; i < n; ++i) s += xu[i] * v[i];
+                S2_UNROLL for (int i = 0; i < S2_UNIT; ++i) s += i < n ? xu[i] * v[i] : 0.f;
                 acc[t] += s;
             }
         }
     } else {  // a strided float32 matrix
         for (long j = lane; j < K; j += S2_WARP) {
             float wv = ((const float*)w)[r * rs + j * cs] * (norm ? norm[j] : 1.f);
-            for (int t = 0; t < T; ++t) acc[t] += x[(long)t * K + j] * wv;
+            S2_UNROLL for (int t = 0; t < S2_MAX_TOKENS; ++t)
+                if (t < T) acc[t] += x[(long)t * K + j] * wv;
         }
     }
     s2_warp_sum(acc, T);
     if (lane) return;
-    for (int t = 0; t < T; ++t) {
+    S2_UNROLL for (int t = 0; t < S2_MAX_TOKENS; ++t) {
+        if (t >= T) continue;
         float v = acc[t] / denom[t];
         if (b) v += b[r];
         if (residual) v = residual[(long)t * N + col] + v;
@@ -210,11 +215,12 @@ S2_HD inline void s2_attend_span(const float* qv, const void* keys, const void* 
     }
 }
 
-// Grouped-query attention over the slots allowed [T, S] (bool) marks; q [T, nh·D], cache
-// [nkv, cap, D] (float32, or half with kv_half), heads sharing a KV head in groups. One thread per (token, head, chunk of
-// ``chunk`` slots): with one chunk it writes out [T, nh·D] itself, adding an optional sink logit
-// per head [nh] to the normaliser; with more (long contexts) it writes (m, l, acc) to part
-// [T·nh·C, D + 2] and s2_attend_merge finishes (chunks spread a long context over threads).
+// Grouped-query attention over the slots allowed [T, S] (bool) marks; q [T, nh·D], cache [nkv, cap,
+// D] (float32, or half with kv_half), heads sharing a KV head in groups. One thread per (token,
+// head, chunk of ``chunk`` slots): with one chunk it writes out [T, nh·D] itself, adding an
+// optional sink logit per head [nh] to the normaliser; with more (long contexts) it writes (m, l,
+// acc) to part [T·nh·C, D + 2] and s2_attend_merge finishes (chunks spread a long context over
+// threads).
 extern "C" __global__ void s2_attend(const float* q, const void* keys, const void* values,
                                      const unsigned char* allowed, int T, int S, int nh, int nkv, int D, int cap,
                                      int kv_half, float scale, int chunk, const float* sinks, float* out,

@@ -16,6 +16,14 @@
 
 #define S2_UNIT 32  // values a lane decodes at once (a Q8_0 / Q4_0 / MXFP4 block, 1/8 of a K block)
 
+// Loops over a unit's values or a pass's tokens run to a constant bound (guarded where fewer), fully
+// unrolled on the device, so the arrays they index stay in registers instead of local memory.
+#ifdef __CUDACC__
+#define S2_UNROLL _Pragma("unroll")
+#else
+#define S2_UNROLL
+#endif
+
 // WEIGHT_TYPES in runtime/kernels/device.py
 enum S2WeightType {
     S2_W_F32 = 0, S2_W_F16 = 1, S2_W_BF16 = 2, S2_W_Q8_0 = 3, S2_W_Q4_0 = 4, S2_W_Q4_K = 5, S2_W_Q6_K = 6,
@@ -61,6 +69,13 @@ S2_HD inline unsigned short s2_float_to_half(float f) {
 
 S2_HD inline float s2_f16_at(const unsigned char* p) { return s2_half_to_float((unsigned short)(p[0] | p[1] << 8)); }
 
+// Twice an E2M1 (FP4) code's value: 0, 1, 2, 3, 4, 6, 8, 12, negated with bit 3 (gguf.quants'
+// MXFP4 table), computed: a table indexed at run time would live in local memory.
+S2_HD inline float s2_e2m1x2(int code) {
+    int c = code & 7, v = c < 4 ? c : (2 | (c & 1)) << ((c >> 1) - 1);
+    return (float)(code & 8 ? -v : v);
+}
+
 // Bytes of a row of K values (K a whole number of blocks: the host checks).
 S2_HD inline long s2_row_bytes(int type, long K) {
     switch (type) {
@@ -89,18 +104,18 @@ S2_HD inline int s2_unit(const unsigned char* row, int type, long K, long u, flo
     int n = K - j0 < S2_UNIT ? (int)(K - j0) : S2_UNIT;
     switch (type) {
         case S2_W_F32: case S2_W_F16: case S2_W_BF16:
-            for (int i = 0; i < n; ++i) out[i] = s2_weight(row, j0 + i, type);
+            S2_UNROLL for (int i = 0; i < S2_UNIT; ++i) out[i] = i < n ? s2_weight(row, j0 + i, type) : 0.f;
             return n;
         case S2_W_Q8_0: {  // f16 d, 32 × int8
             const unsigned char* b = row + u * 34;
             float d = s2_f16_at(b);
-            for (int i = 0; i < 32; ++i) out[i] = d * (float)(signed char)b[2 + i];
+            S2_UNROLL for (int i = 0; i < 32; ++i) out[i] = d * (float)(signed char)b[2 + i];
             return 32;
         }
         case S2_W_Q4_0: {  // f16 d, 16 bytes: low nibbles are values 0–15, high ones 16–31, offset 8
             const unsigned char* b = row + u * 18;
             float d = s2_f16_at(b);
-            for (int i = 0; i < 16; ++i) {
+            S2_UNROLL for (int i = 0; i < 16; ++i) {
                 out[i] = d * (float)((b[2 + i] & 0xf) - 8);
                 out[i + 16] = d * (float)((b[2 + i] >> 4) - 8);
             }
@@ -108,12 +123,11 @@ S2_HD inline int s2_unit(const unsigned char* row, int type, long K, long u, flo
         }
         case S2_W_MXFP4: {  // E8M0 scale (halved: the table holds doubled E2M1 values), 16 bytes of nibbles
             const unsigned char* b = row + u * 17;
-            const signed char kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
             unsigned int e = b[0];
             float d = s2_bits_to_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
-            for (int i = 0; i < 16; ++i) {
-                out[i] = d * (float)kv[b[1 + i] & 0xf];
-                out[i + 16] = d * (float)kv[b[1 + i] >> 4];
+            S2_UNROLL for (int i = 0; i < 16; ++i) {
+                out[i] = d * s2_e2m1x2(b[1 + i] & 0xf);
+                out[i + 16] = d * s2_e2m1x2(b[1 + i] >> 4);
             }
             return 32;
         }
@@ -131,7 +145,7 @@ S2_HD inline int s2_unit(const unsigned char* row, int type, long K, long u, flo
             float d = s2_f16_at(b) * (float)scale, m = s2_f16_at(b + 2) * (float)min;
             const unsigned char* q = b + 16 + 32 * (s / 2);
             int shift = 4 * (s % 2);
-            for (int i = 0; i < 32; ++i) out[i] = d * (float)((q[i] >> shift) & 0xf) - m;
+            S2_UNROLL for (int i = 0; i < 32; ++i) out[i] = d * (float)((q[i] >> shift) & 0xf) - m;
             return 32;
         }
         case S2_W_Q6_K: {  // 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d
@@ -142,7 +156,7 @@ S2_HD inline int s2_unit(const unsigned char* row, int type, long K, long u, flo
             const signed char* scales = (const signed char*)(b + 192) + 8 * half + 2 * part;
             float d = s2_f16_at(b + 208);
             int lshift = 4 * (part / 2), hshift = 2 * part;
-            for (int i = 0; i < 32; ++i) {
+            S2_UNROLL for (int i = 0; i < 32; ++i) {
                 int q = (((ql[i] >> lshift) & 0xf) | (((qh[i] >> hshift) & 3) << 4)) - 32;
                 out[i] = d * (float)scales[i / 16] * (float)q;
             }

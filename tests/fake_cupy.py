@@ -327,11 +327,12 @@ def RawKernel(code: str, name: str, options=(), **_):
 
 # The CUDA source itself, run on the CPU: g++ compiles the string CuPy was given (so it must be
 # self-contained: headers inlined) with a shim that makes __global__ functions plain functions and
-# __shared__ variables statics. A launcher per kernel runs block after block; a block's threads
-# run as fibers (a register switch; ucontext elsewhere), each until it ends or waits: at __syncthreads() for the block, at
-# s2_warp_sum (the shuffle butterfly of decode.cuh) for its warp. Waiters go on when every live
-# thread of their block (warp) waits, so cooperation is checked as CUDA runs it, not assumed: a
-# warp sum missing a lane that has returned, or a deadlock, aborts the test run with a message.
+# __shared__ variables statics. A launcher per kernel runs block after block; a block's threads run
+# as fibers (a register switch; ucontext elsewhere), each until it ends or waits: at __syncthreads()
+# for the block, at s2_warp_sum (the shuffle butterfly of decode.cuh) for its warp. Waiters go on
+# when every live thread of their block (warp) waits, so cooperation is checked as CUDA runs it, not
+# assumed: a warp sum missing a lane that has returned, or a deadlock, aborts the test run with a
+# message.
 _SHIM = r"""
 #include <cmath>
 #include <cstdio>

@@ -76,7 +76,8 @@ def test_grouped_experts_at_real_shapes_match_numpy(gpu, dtypes, act, H, I):
                           *((rng.standard_normal(n).astype(np.float32) for n in (I, I, H)) if bias else ()))
             for _ in range(E)]
     choice = [rng.choice(E, k, replace=False) for _ in range(T)]
-    group = [([t for t in range(T) if e in choice[t]], [0.125] * sum(e in choice[t] for t in range(T))) for e in range(E)]
+    tokens = [[t for t in range(T) if e in choice[t]] for e in range(E)]
+    group = [(ts, [0.125] * len(ts)) for ts in tokens]
     x = rng.standard_normal((T, H)).astype(np.float32)
     base = rng.standard_normal((T, H)).astype(np.float32)
     want = base.copy()
