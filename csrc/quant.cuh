@@ -121,7 +121,7 @@ S2_HD inline int s2_unit(const unsigned char* row, int type, long K, long u, flo
             }
             return 32;
         }
-        case S2_W_MXFP4: {  // E8M0 scale (halved: the table holds doubled E2M1 values), 16 bytes of nibbles
+        case S2_W_MXFP4: {  // E8M0 scale, halved (s2_e2m1x2 doubles the E2M1 values), 16 bytes of nibbles
             const unsigned char* b = row + u * 17;
             unsigned int e = b[0];
             float d = s2_bits_to_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);

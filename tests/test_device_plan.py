@@ -57,6 +57,13 @@ def test_the_whole_model_is_resident_where_the_memory_holds_it(qwen3_30b):
     assert code == 0 and plan["expert_share"] == 1.0 and "every expert resident" in plan["line"]
 
 
+def test_a_device_too_small_for_the_dense_part_is_a_one_line_error(qwen3_30b, tmp_path):
+    small = tmp_path / "tiny-orin.json"
+    small.write_text(json.dumps({"device": {"kind": "orin", "memory_bytes": 3 * GiB}}))
+    code, _, err = s2moe("info", "--model", qwen3_30b, "--device", str(small))
+    one_line_error(code, err, "--device tiny-orin", "dense part, KV and workspace", "--ctx-size")
+
+
 def test_an_unknown_device_is_a_one_line_error(tmp_path):
     code, _, err = s2moe("info", "--device", "orin-8g")
     one_line_error(code, err, "orin-8g", "orin-16g", "rtx4090")

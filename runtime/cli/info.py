@@ -114,7 +114,8 @@ def _device_profile(device: str) -> tuple[str, dict]:
         raise UsageError(f"--device {device!r}: no such preset or profile; choose from {', '.join(known)} "
                          "or give a profile .json")
     try:
-        section = json.load(open(path))["device"]
+        with open(path, encoding="utf-8") as fh:
+            section = json.load(fh)["device"]
         int(section["memory_bytes"]), section["kind"]
     except (ValueError, KeyError, TypeError):
         raise UsageError(f"--device {path}: not a profile with a device.memory_bytes and device.kind; "
@@ -125,6 +126,7 @@ def _device_profile(device: str) -> tuple[str, dict]:
 def device_plan(loaded, device: str, positions: int, cache_type: str = "f16") -> dict:
     """The memory plan of this model on ``device``: its memory less what the system keeps, as the
     budget, experts held at their stored bytes by the device kernels; and the plan in one line."""
+    from ..errors import UsageError
     from ..offload.memory import Budget, plan_memory
 
     name, d = _device_profile(device)
@@ -132,15 +134,20 @@ def device_plan(loaded, device: str, positions: int, cache_type: str = "f16") ->
     memory = int(d["memory_bytes"])
     reserve = RESERVE_UNIFIED if unified else RESERVE_DISCRETE
     budget = memory - reserve
+    f = _fmt_bytes
+    whole = plan_memory(loaded, Budget.parse("1.0"), positions, baseline=0, cache_type=cache_type)
+    rest = whole.dense_bytes + whole.kv_bytes + whole.work_bytes
+    if rest > budget:
+        raise UsageError(f"--device {name}: {f(budget)} for the model is less than its dense part, KV and "
+                         f"workspace ({f(rest)}); use a smaller --ctx-size or a device with more memory")
     plan = plan_memory(loaded, Budget.parse(f"{budget >> 20}m"), positions, baseline=0, cache_type=cache_type)
     tier = "the file (NVMe: unified memory has no host tier)" if unified else \
         ("pinned host memory" if d.get("offload_tier") == "host" else "the file")
-    f = _fmt_bytes
-    rest = (f"the other experts stream from {tier}" if plan.expert_share < 1 else "every expert resident")
+    streams = (f"the other experts stream from {tier}" if plan.expert_share < 1 else "every expert resident")
     line = (f"{name} ({d.get('name', d['kind'])}, {f(memory)} {'unified' if unified else 'device'} memory, "
             f"{f(budget)} for the model): dense {f(plan.dense_bytes)} + experts {f(plan.expert_capacity)} "
             f"({plan.expert_share:.0%} resident) + KV {f(plan.kv_bytes)} ({positions} {cache_type} positions) "
-            f"+ workspace {f(plan.work_bytes)} = {f(plan.model_bytes)}; {rest}")
+            f"+ workspace {f(plan.work_bytes)} = {f(plan.model_bytes)}; {streams}")
     return {"device": name, "device_name": d.get("name"), "unified_memory": unified, "memory_bytes": memory,
             "reserved_bytes": reserve, "kv_positions": positions, "kv_cache_type": cache_type,
             "offload_tier": tier, "fits": plan.model_bytes <= budget, **plan.to_dict(), "line": line}
