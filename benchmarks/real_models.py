@@ -347,6 +347,8 @@ def main() -> None:
         task = bar.add_task(f"{a.preset} {a.type}", total=None)
         progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
         if a.sparse:
+            if a.type.upper() not in DIRECT:
+                raise SystemExit(f"error: --sparse writes a direct type ({', '.join(DIRECT)}), not {a.type}")
             write(a.preset, a.type.upper(), a.out, a.seed, progress, sparse=True)
         else:
             make(a.preset, a.type.upper(), a.out, a.quantize, a.seed, progress)
