@@ -15,9 +15,11 @@ Prefill passes update the cache but are not priced (decode tokens/s, as `s2moe b
 As recorded, the passes carry this device's drafting decisions. For a greedy AE method whose trace
 holds draft tables (`s2moe bench --trace` records them), `redecide.simulate` re-makes the draft
 lengths, AE's admissions, the back-off and the rate guard with the other device's costs, and
-models prefetch overlap; the drafts themselves, and what verification kept, stay this device's.
-`--as-recorded` prices the recorded passes instead (docs/performance/calibration.md measures how
-close both come).
+models prefetch overlap. The drafts use resident experts only, so by default (`--drafts auto`,
+where the trace kept its prompts and settings) each chain is drawn again on the model here with
+the other device's simulated residency; `--drafts recorded` takes the trace's tables, drawn with
+this device's. `--as-recorded` prices the recorded passes instead (docs/performance/calibration.md
+measures how close each comes).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import typer
 
 from s2moe.runtime.cli.common import err, print_json, say
 from s2moe.runtime.cli.errors import cli_errors
+from s2moe.runtime.errors import UsageError
 
-from .redecide import ar_step_scale, price, serve, simulate
+from .redecide import ar_step_scale, price, redraw, redrawable, serve, simulate
 
 PRICED = ("ar", "verify", "draft")
 
@@ -85,9 +88,15 @@ def predict(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     redo_off: bool = typer.Option(False, "--as-recorded", help="Price every method's passes as recorded, "
                                   "even where the trace lets AE's decisions be re-made for this device."),
+    drafts: str = typer.Option("auto", "--drafts", help="Where re-made decisions take their draft chains: "
+                               "redraw (drawn again on the model here, with that device's residency: a model "
+                               "run's time), recorded (the trace's tables, drawn with this device's residency), "
+                               "or auto (redraw where the trace kept its prompts and settings)."),
 ):
     """Predict AR and S²-MoE tokens/s on another device from a trace recorded here."""
     with cli_errors():
+        if drafts not in ("auto", "redraw", "recorded"):
+            raise UsageError(f"--drafts {drafts!r}: choose auto, redraw or recorded")
         from rich.table import Table
 
         from s2moe.runtime.decoding.trace import load_trace
@@ -153,9 +162,33 @@ def predict(
                 "cost model, not scaled to its T_AR", "dim")
         scale = ar_step_scale(any_ar, E, new_cache(at_profile[0], size, at_profile[1]), prof.costs)
         ar_run = next((r for r in data["runs"] if r["method"] == "ar" and r.get("texts")), None)
-        rows = [simulate(ar_run, run, E, new_cache(capacity, size, pinned), prof.costs, scale)
-                if run.get("drafts") and ar_run is not None and not redo_off else
-                replay(run, E, new_cache(capacity, size, pinned), prof.costs, scale) for run in data["runs"]]
+        engine = None  # the model, for chains drawn again (one for every method)
+
+        def row(run: dict) -> dict:
+            nonlocal engine
+            cache = new_cache(capacity, size, pinned)
+            if not run.get("drafts") or ar_run is None or redo_off:
+                return replay(run, E, cache, prof.costs, scale)
+            if drafts == "recorded" or (drafts == "auto" and not redrawable(ar_run, run)):
+                return {**simulate(ar_run, run, E, cache, prof.costs, scale), "chains": "recorded"}
+            if not redrawable(ar_run, run):
+                raise UsageError(f"{trace}: {run['method']}'s run has no prompts or draft settings to draw its "
+                                 "chains again; record it again with s2moe bench --trace, or use --drafts recorded")
+            if engine is None:
+                from s2moe.runtime.engine import build_engine
+
+                positions = max(len(p) + len(t) for p, t in zip(ar_run["prompts"], ar_run["texts"])) + cap + 8
+                vocab = max(int(r["settings"]["draw"].get("draft_vocab") or 0) for r in data["runs"] if redrawable(ar_run, r))
+                engine = build_engine(loaded.path, (data.get("recorded") or {}).get("budget"), positions, draft_vocab=vocab)
+            with err.status(f"drawing {run['method']}'s drafts again with {device}'s residency"):
+                return {**simulate(ar_run, run, E, cache, prof.costs, scale, redraw(ar_run, run, cache, engine)),
+                        "chains": "redrawn"}
+
+        try:
+            rows = [row(run) for run in data["runs"]]
+        finally:
+            if engine is not None:
+                engine.close()
         ar = next((r["predicted_tokens_per_s"] for r in rows if r["method"] == "ar"), None)
         for r in rows:
             r["predicted_speedup_vs_ar"] = r["predicted_tokens_per_s"] / ar if ar and r["predicted_tokens_per_s"] else None
@@ -171,7 +204,8 @@ def predict(
         for r in rows:
             table.add_row(r["method"], str(r["tokens"]), _fmt(r["recorded_tokens_per_s"]), _fmt(r["predicted_tokens_per_s"]),
                           "-" if r["predicted_speedup_vs_ar"] is None else f"{r['predicted_speedup_vs_ar']:.2f}×",
-                          "-" if r["miss_rate"] is None else f"{r['miss_rate']:.1%}", r["decisions"])
+                          "-" if r["miss_rate"] is None else f"{r['miss_rate']:.1%}",
+                          r["decisions"] + (f", chains {r['chains']}" if "chains" in r else ""))
         err.print(table)
 
 

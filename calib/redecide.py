@@ -7,21 +7,27 @@ under a slow tier AE drafts far more. Priced as recorded, the default model's S�
 (`runtime/decoding/trace.py`, version 2) the run is simulated again, iteration by iteration:
 
 - the draft length: the back-off after empty drafts and the rate guard (fed the simulated seconds);
-- AE over the recorded draft chain at that position (`UtilityRule`, the decoder's own arithmetic),
+- AE over the draft chain at that position (`UtilityRule`, the decoder's own arithmetic),
   its p_i from an acceptance model learned from the simulated verifications, ΔC_ver from the
   simulated cache's residency and the target profile's constants;
-- acceptance: what the recorded verification of the whole chain kept (greedy, gating included),
+- acceptance: what the verification of the whole chain kept (greedy, gating included),
   up to the admitted length; the walk then goes on along AR's text (gating may change the text);
-- verification's experts: the recorded verification of the whole chain at that position, its
+- verification's experts: the verification of the whole chain at that position, its
   first rows (reuse-aware gating included, with the batch the whole chain made);
 - prefetch: every expert a draft pass predicts is read while the draft runs; verification waits
   for what the tier could not read in the draft's time (reads serial at the fitted miss cost, the
   ones verification uses first; the prefetch slots' limit is not modelled).
 
 Prices as `predict.replay`: a verification t_base + t_token·n + t_exp_miss·misses + t_exp_hit·hits,
-an AR step that price scaled to the profile's T_AR (`ar_step_scale`), a draft pass C_draft. What
-stays as recorded: the drafts and the gating's choices, made with this device's cache residency at
-recording time; and the text (AR's, which gating may change).
+an AR step that price scaled to the profile's T_AR (`ar_step_scale`), a draft pass C_draft.
+
+The chains: the trace's tables hold the drafts and gating's choices made with this device's cache
+residency. The draft uses resident experts only, so a device that holds other experts drafts other
+tokens. Where the trace kept its prompts and settings, `redraw` draws every chain again on the
+model, here, with the simulated cache's residency at that moment (`DraftWalk`): the time of a run
+of the model, for drafts as that device would make them. What stays as recorded: the text (AR's,
+which gating may change), and the prefetches in flight, which gating counts as available on the
+device but the replay does not.
 """
 
 from __future__ import annotations
@@ -88,9 +94,37 @@ def per_prompt(passes: list) -> list[tuple[list[int], list[list[int]]]]:
     return out
 
 
-def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants, ar_scale: float = 1.0) -> dict:
+def redrawable(ar_run: dict | None, run: dict) -> bool:
+    """Whether ``run``'s chains can be drawn again here: the trace kept the prompts and the settings
+    its drafts were drawn with (traces from before that cannot)."""
+    return (ar_run is not None and bool(ar_run.get("prompts")) and len(ar_run["prompts"]) == len(ar_run.get("texts") or ())
+            and "draw" in (run.get("settings") or {}))
+
+
+def redraw(ar_run: dict, run: dict, cache, engine):
+    """Per prompt, a `DraftWalk` along AR's text on ``engine``'s model, whose draft and gating see
+    ``cache``'s residency (the other device's, as the replay fills it): the chains that device
+    would draft. The trace's own tables were drawn with this device's residency, and resident-only
+    drafts are only as good as what is resident: on the widened OLMoE-1B-7B at 25 % they kept 4.34
+    tokens a verification where a run under a slower tier, with the profile's hot list pinned,
+    kept 2.74 (docs/performance/calibration.md)."""
+    from s2moe.runtime.decoding.methods import SpecSettings, get_method
+    from s2moe.runtime.decoding.sampling import SamplingParams
+    from s2moe.runtime.decoding.speculative import SpeculativeDecoder
+    from s2moe.runtime.decoding.trace import DraftWalk
+
+    c = engine.model.config
+    settings = SpecSettings.from_trace(run["settings"]).validate(c.top_k, c.num_experts)
+    decoder = SpeculativeDecoder(engine.model, get_method(run["method"]), settings, None, SamplingParams(),
+                                 residency=cache)
+    return (DraftWalk(decoder, p, t) for p, t in zip(ar_run["prompts"], ar_run["texts"]))
+
+
+def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants, ar_scale: float = 1.0,
+             drafts=None) -> dict:
     """``run`` (an AE method with draft tables) again, on ``cache``, priced and decided by ``costs``;
-    an AR step at ``ar_scale`` × its fitted price (`ar_step_scale`)."""
+    an AR step at ``ar_scale`` × its fitted price (`ar_step_scale`). ``drafts``: per prompt, its
+    rows by text position (`redraw`); None: the trace's tables."""
     s = run.get("settings") or {}
     cap, theta, lookahead = int(s.get("draft_cap", 8)), float(s.get("utility_threshold", 1.0)), int(s.get("ae_lookahead", 2))
     learned, prefetch = s.get("acceptance", "learned") == "learned", bool(s.get("prefetch", True))
@@ -104,11 +138,13 @@ def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants, ar_sc
     fetch = max(costs.t_exp_miss - costs.t_exp_hit, 0.0)  # a read, beyond the expert's compute
 
     prompts = per_prompt(ar_run["passes"])
-    if len(prompts) != len(run["drafts"]) or any(len(k) != len(t) - 1 for (_, k), t in zip(prompts, ar_run["texts"])):
+    drafts = run["drafts"] if drafts is None else drafts
+    tables = len(drafts) if isinstance(drafts, list) else len(prompts)
+    if len(prompts) != len(ar_run["texts"]) or len(prompts) != tables or any(len(k) != len(t) - 1 for (_, k), t in zip(prompts, ar_run["texts"])):
         raise UsageError(f"the trace's AR run has {len(prompts)} prompts and {[len(k) for _, k in prompts]} AR steps "
                          f"for texts of {[len(t) for t in ar_run['texts']]} tokens: it cannot steer {run['method']}'s "
                          "replay; record it again with s2moe bench --trace, or predict --as-recorded")
-    for (prefill, ar_keys), text, table in zip(prompts, ar_run["texts"], run["drafts"]):
+    for (prefill, ar_keys), text, table in zip(prompts, ar_run["texts"], drafts):
         for chunk in prefill:
             serve(cache, "prefill", 0, [pair(k) for k in chunk])
         n_text = len(text)

@@ -138,7 +138,7 @@ def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str 
             if progress:
                 progress(name)
         if trace is not None:
-            trace.stop(name, tokens, seconds, texts, settings.trace_dict(decoder.guard is not None))
+            trace.stop(name, tokens, seconds, texts, settings.trace_dict(decoder.guard is not None), ids)
             if name == "ar":
                 ar_texts = texts
             elif spec.admit == "utility" and params.greedy and ar_texts is not None:

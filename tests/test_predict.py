@@ -106,7 +106,7 @@ def test_a_greedy_ae_run_records_a_draft_chain_at_every_position(trace):
     assert agree >= 11  # the draft shares the target's weights: its first token is mostly AR's next
 
 
-def _redecided(trace, tmp_path, costs, guard=False, tamper=False):
+def _redecided(trace, tmp_path, costs, guard=False, tamper=False, drafts="recorded"):
     data = json.loads(trace.read_text())
     for run in data["runs"]:
         if "settings" in run:
@@ -120,7 +120,7 @@ def _redecided(trace, tmp_path, costs, guard=False, tamper=False):
     prof["cost_model"].update(costs)
     ppath = tmp_path / f"p-{len(os.listdir(tmp_path))}.json"
     ppath.write_text(json.dumps(prof))
-    r = cli("s2moe.calib", "predict", "--trace", str(path), "--profile", str(ppath), "--json")
+    r = cli("s2moe.calib", "predict", "--trace", str(path), "--profile", str(ppath), "--json", "--drafts", drafts)
     assert r.returncode == 0, r.stderr
     return data, {m["method"]: m for m in json.loads(r.stdout)["methods"]}
 
@@ -215,3 +215,61 @@ def test_a_profile_of_another_model_lends_no_hot_list_to_the_replay(trace, tmp_p
     r = cli("s2moe.calib", "predict", "--trace", str(trace), "--profile", path, "--json")
     assert r.returncode == 0, r.stderr
     assert "its hot list is not pinned in the replay" in " ".join(r.stderr.split())
+
+
+def test_settings_round_trip_through_a_trace():
+    """What a trace keeps of the settings draws the same chains: every field that shapes them."""
+    from s2moe.runtime.decoding.methods import SpecSettings
+
+    s = SpecSettings(draft_topk=3, layer_draft_topk={1: 1, 3: 2}, draft_cap=5, utility_threshold=1.5, ae_lookahead=1,
+                     backoff=False, acceptance="confidence", prefetch=False, draft_resident=False, draft_fallback="skip",
+                     draft_vocab=64, rg_variant="paper", rg_residency=0.5, rg_strength=1.5, reuse_cap=7)
+    assert SpecSettings.from_trace(json.loads(json.dumps(s.trace_dict(True)))) == s
+
+
+@pytest.fixture(scope="module")
+def full_trace(tmp_path_factory):
+    """A trace with every expert resident: its draft tables were drawn with nothing held back."""
+    path = tmp_path_factory.mktemp("trace") / "full.json"
+    r = cli("s2moe.runtime.cli", "bench", "--methods", "ar,s2moe", "--n-prompts", "2", "--max-tokens", "12",
+            "--trace", str(path))
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+def _chains(trace, profile, drafts, *extra):
+    r = cli("s2moe.calib", "predict", "--trace", str(trace), "--profile", profile, "--json", "--drafts", drafts, *extra)
+    assert r.returncode == 0, r.stderr
+    return next(m for m in json.loads(r.stdout)["methods"] if m["method"] == "s2moe")
+
+
+def test_chains_drawn_again_with_the_same_residency_are_the_tables(full_trace, tmp_path):
+    """Everything resident on both sides: the chains drawn again on the model are the trace's
+    tables, so the re-made run is the same to the token and the second."""
+    profile = _profile(tmp_path, "16g")
+    redrawn, recorded = _chains(full_trace, profile, "redraw"), _chains(full_trace, profile, "recorded")
+    assert redrawn["chains"] == "redrawn" and recorded["chains"] == "recorded"
+    for key in ("verifications", "drafted", "accepted", "ar_steps", "predicted_seconds"):
+        assert redrawn[key] == recorded[key], key
+
+
+def test_a_device_that_holds_fewer_experts_drafts_worse_chains(full_trace, tmp_path):
+    """The draft uses resident experts only: at 10 % its chains, drawn with that residency, keep
+    fewer tokens than the tables drawn with every expert (and the other settings as recorded)."""
+    profile = _profile(tmp_path, "16g")
+    costs = ("--budget", "0.1")
+    redrawn, recorded = _chains(full_trace, profile, "redraw", *costs), _chains(full_trace, profile, "recorded", *costs)
+    assert redrawn["accepted"] / redrawn["drafted"] < recorded["accepted"] / recorded["drafted"]
+
+
+def test_a_trace_without_prompts_cannot_be_drawn_again(full_trace, tmp_path):
+    data = json.loads(full_trace.read_text())
+    for run in data["runs"]:
+        run.pop("prompts", None)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    profile = _profile(tmp_path, "16g")
+    r = cli("s2moe.calib", "predict", "--trace", str(old), "--profile", profile, "--drafts", "redraw")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "--drafts recorded" in lines[0]
+    assert _chains(old, profile, "auto")["chains"] == "recorded"  # auto: the tables it has

@@ -504,4 +504,14 @@ PREFETCH: list[Mutation] = [
     Mutation("widen-softmax-scale-not-undone", "tools/widen_model.py",
              " * scale * math.sqrt(sh.r)  #", " * scale  #", ["tests/test_widen.py", "-k", "real_shape"],
              "wider heads' attention scores shrink by 1/sqrt(r)"),
+    # -- predict's chains drawn again with the other device's residency (calib/redecide.redraw) ----
+    Mutation("redraw-sees-this-devices-residency", "runtime/decoding/speculative.py",
+             "self.cache = model.experts if residency is None else residency", "self.cache = model.experts",
+             ["tests/test_predict.py", "-k", "fewer_experts"], "predict's redrawn drafts use the recording machine's residency"),
+    Mutation("redraw-settings-lose-draft-k", "runtime/decoding/methods.py", "**{k: draw[k] for k in _DRAW})",
+             '**{k: draw[k] for k in _DRAW if k != "draft_topk"})', ["tests/test_predict.py", "-k", "round_trip"],
+             "predict redraws with the default draft k, not the run's"),
+    Mutation("draft-walk-one-token-short", "runtime/decoding/trace.py", "        while self.at < j:",
+             "        while self.at < j - 1:", ["tests/test_predict.py", "-k", "same_residency"],
+             "a redrawn chain's context lacks the text's last token"),
 ]

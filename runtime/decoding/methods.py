@@ -52,6 +52,11 @@ def get_method(name: str, share_kv: bool | None = None, reuse_gating: bool | Non
     return spec
 
 
+# the settings that shape a draft chain and verification's routing (`SpecSettings.trace_dict`)
+_DRAW = ("draft_topk", "draft_resident", "draft_fallback", "draft_vocab", "token_ranks", "rg_variant",
+         "rg_residency", "rg_strength", "reuse_cap")
+
+
 @dataclass(frozen=True)
 class SpecSettings:
     draft_topk: int = 2
@@ -141,7 +146,18 @@ class SpecSettings:
         rate guard, which needs live costs)."""
         return {"draft_cap": self.draft_cap, "utility_threshold": self.utility_threshold,
                 "ae_lookahead": self.ae_lookahead, "backoff": self.backoff, "rate_guard": guarded,
-                "acceptance": self.acceptance, "prefetch": self.prefetch}
+                "acceptance": self.acceptance, "prefetch": self.prefetch,
+                # how the drafts and gating were drawn: predict draws them again with these
+                "draw": {**{k: getattr(self, k) for k in _DRAW}, "layer_draft_topk": sorted(self.layer_draft_topk.items())}}
+
+    @classmethod
+    def from_trace(cls, d: dict) -> "SpecSettings":
+        """The settings a traced run drafted with (`trace_dict`); KeyError where it has no "draw"."""
+        draw = dict(d["draw"])
+        layers = {int(L): int(k) for L, k in draw.pop("layer_draft_topk", [])}
+        return cls(draft_cap=int(d["draft_cap"]), utility_threshold=float(d["utility_threshold"]),
+                   ae_lookahead=int(d["ae_lookahead"]), backoff=bool(d["backoff"]), acceptance=d["acceptance"],
+                   prefetch=bool(d["prefetch"]), layer_draft_topk=layers, **{k: draw[k] for k in _DRAW})
 
     def slots_for(self, spec: "MethodSpec") -> int | None:
         """Prefetches ``spec`` may have in flight: none where it does not draft or prefetch is off,

@@ -63,9 +63,11 @@ class SpecResult(GenerationResult):
 
 class SpeculativeDecoder:
     def __init__(self, model: MoEModel, method: MethodSpec, settings: SpecSettings, costs: CostConstants,
-                 params: SamplingParams = SamplingParams(), live: bool = False):
+                 params: SamplingParams = SamplingParams(), live: bool = False, residency=None):
         """``live``: AE's constants follow the passes this decoder makes (LiveCosts), starting
-        from ``costs``; otherwise ``costs`` stay fixed."""
+        from ``costs``; otherwise ``costs`` stay fixed. ``residency``: the expert cache whose
+        residency the draft and gating see, if not the model's own (`predict` draws chains with
+        another device's simulated cache; such a decoder only drafts, it does not generate)."""
         c = model.config
         self.model, self.method, self.costs, self.params = model, method, costs, params
         self.live = LiveCosts(costs) if live else None
@@ -73,7 +75,7 @@ class SpeculativeDecoder:
         self.guard = RateGuard() if live and settings.rate_guard and method.admit == "utility" else None
         self.settings = settings.validate(c.top_k, c.num_experts)
         self.top_k = c.top_k
-        self.cache = model.experts
+        self.cache = model.experts if residency is None else residency
         self.trial = trial_for(model, method, settings, live)  # prefetch where measured to pay, or None
         resident = getattr(self.cache, "resident_mask", None) if settings.draft_resident else None
         self.draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk),
