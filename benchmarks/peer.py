@@ -5,7 +5,7 @@ under a memory cgroup.
 
 llama.cpp as the outside reference: AR decode speed of llama.cpp and s2moe on the same GGUF.
 
-    python benchmarks/peer.py --build                 # once: llama-bench from the llama-cpp-python sdist
+    python benchmarks/peer.py --build                 # once: llama.cpp from the llama-cpp-python sdist
     python benchmarks/peer.py [--reps 5] [--tokens 64] [--types F16,Q8_0]
     python benchmarks/peer.py --preset olmoe-1b-7b --types Q4_K_M,Q6_K,Q4_0 --settings uncapped
     python benchmarks/peer.py --preset olmoe-1b-7b --types Q4_K_M --settings prefill
@@ -62,7 +62,8 @@ PROMPT = "def fibonacci(n):"
 
 
 def build(cache: str) -> str:
-    """Download the llama-cpp-python sdist, build llama-bench from its vendored llama.cpp."""
+    """Download the llama-cpp-python sdist; build llama-bench, -completion and -quantize from its
+    vendored llama.cpp."""
     os.makedirs(cache, exist_ok=True)
     sdists = glob.glob(os.path.join(cache, "llama_cpp_python-*.tar.gz"))
     if not sdists:
@@ -250,7 +251,8 @@ def run(cmd: list[str], limit: int | None, drop: str | None, texts: list | None 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build", action="store_true", help="build llama-bench first (cached)")
+    ap.add_argument("--build", action="store_true",
+                    help="build llama.cpp's tools (cached) and stop: a run writes --out, which docs cite")
     ap.add_argument("--cache", default=CACHE)
     ap.add_argument("--types", default="F16,Q8_0")
     ap.add_argument("--reps", type=int, default=5)
@@ -263,9 +265,12 @@ def main() -> None:
     ap.add_argument("--file", help="a GGUF with trained weights: greedy text from both programs (see above)")
     ap.add_argument("--out", default="docs/results/peer")
     args = ap.parse_args()
+    if args.build:
+        print(build(args.cache))
+        return
     if common.available() is None:
         sys.exit("error: memory cgroups are not writable here; the capped setting needs them")
-    binary = build(args.cache) if args.build else bench_binary(args.cache)
+    binary = bench_binary(args.cache)
     types = [t.strip().upper() for t in args.types.split(",")]
     if args.file:
         paths = {os.path.basename(args.file): args.file}
