@@ -26,6 +26,7 @@ from s2moe.runtime.checks import number
 from s2moe.runtime.cli.errors import cli_errors
 from s2moe.runtime.cli.spec_options import default_draft_topk
 from s2moe.runtime.decoding.cost_model import FEATURES, VerificationCostModel
+from s2moe.runtime.decoding.methods import SpecSettings
 from s2moe.runtime.engine import engine_tier
 from s2moe.runtime.errors import UsageError
 from s2moe.runtime.model.kv_cache import resolve_cache_type
@@ -71,11 +72,12 @@ def _resumable(samples_path: str, fresh: dict) -> dict:
             old = jsonfile.load(f)
     except (OSError, ValueError):
         raise UsageError(f"{samples_path}: nothing to resume (no readable samples file); run without --resume") from None
-    # samples files from before --draft-vocab timed C_draft with the full head
-    same = all(old.get(k, 0 if k == "draft_vocab" else None) == v for k, v in fresh.items())
+    # samples files from before --draft-vocab timed C_draft with the full head, and before
+    # --draft-cap timed passes up to a cap of 8
+    same = all(old.get(k, {"draft_vocab": 0, "draft_cap": 8}.get(k)) == v for k, v in fresh.items())
     if not same:
-        raise UsageError(f"{samples_path}: samples were taken for another model, device, budget, slow tier, draft head "
-                         "or --draft-topk; "
+        raise UsageError(f"{samples_path}: samples were taken for another model, device, budget, slow tier, draft head, "
+                         "--draft-topk or --draft-cap; "
                          "run without --resume")
     say(f"resuming from {samples_path}: {', '.join(k for k in old if k not in fresh)} already measured")
     return old
@@ -151,13 +153,16 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
                 draft_topk: int | None, samples_n: int, emulate_bandwidth: float | None, emulate_latency: float,
                 fetch_threads: int, decode_tokens: int, policy: str = "lfu", resume: bool = False,
                 rounds: int = replay_mod.DEFAULT_ROUNDS, backend="auto", context: int | None = None,
-                n_prompts: int = DECODE_PROMPTS, draft_vocab: int = 0, token_ranks: str | None = None) -> dict:
+                n_prompts: int = DECODE_PROMPTS, draft_vocab: int = 0, token_ranks: str | None = None,
+                draft_cap: int | None = None) -> dict:
     """``backend``: a name for `profile_backend`, or a `Backend` (tests pass a CPU stand-in).
     ``draft_vocab``: C_draft is timed with a FR-Spec head of that many rows (``token_ranks``: its
     ranks file, default the model's), as `s2moe run --draft-vocab` drafts; the profile records it.
     ``n_prompts``: profiling prompts decoded (32 tokens each) for the fit's in-situ passes.
     ``context``: prompt + generated tokens the runs will use; the KV reservation, the hot list and
-    the decode passes are planned for it as `s2moe run` plans (see plan.py)."""
+    the decode passes are planned for it as `s2moe run` plans (see plan.py). ``draft_cap``: the
+    longest draft runs with this profile make (default `SpecSettings.draft_cap`); the passes are
+    timed up to it and the profile carries it, since the best cap differs by model size."""
     from s2moe.runtime.offload.cache import ExpertCache
     from s2moe.runtime.engine import build_engine
     from s2moe.runtime.model.loader import load_model
@@ -174,7 +179,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     profiling, heldout, workload_path = _workload_tokens(tok, workload)
     draft_k = default_draft_topk(c.top_k) if draft_topk is None else \
         int(number("--draft-topk", draft_topk, low=1, high=c.top_k, integer=True))
-    draft_cap = 8
+    draft_cap = SpecSettings.draft_cap if draft_cap is None else \
+        int(number("--draft-cap", draft_cap, low=1, high=256, integer=True))
     if draft_vocab:  # a ranks file that cannot serve the head fails here, before any timing
         from s2moe.runtime.model.draft_head import head_ids, ranks_file
 
@@ -190,7 +196,8 @@ def run_profile(model_path: str, device: str, budget: str | None, workload: str 
     gathered: dict = {"model": loaded.path, "fingerprint": fingerprint, "device": kind, "budget": budget or "1.0",
                       "context_tokens": ctx,
                       "emulation": [emulate_bandwidth, emulate_latency], "fetch_threads": fetch_threads,
-                      "rounds": rounds, "backend": arrays.name, "draft_vocab": draft_vocab, "draft_topk_asked": draft_topk}
+                      "rounds": rounds, "backend": arrays.name, "draft_vocab": draft_vocab, "draft_topk_asked": draft_topk,
+                      "draft_cap": draft_cap}
     if resume:
         gathered = _resumable(samples_path, gathered)
 
@@ -437,6 +444,7 @@ def profile(
     workload: Optional[str] = typer.Option(None, "--workload", "-w", help="JSONL prompts (default: the packaged set)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Profile path (default profiles/<detected device>-<model>.json)."),
     draft_topk: Optional[int] = typer.Option(None, "--draft-topk", help="Draft experts per token (default: measured: every k from 1 to twice the paper's k/2 drafts beside a greedy decode; k/2 stays unless another k models faster by more than 2 standard errors; calib/draft_k.py)."),
+    draft_cap: Optional[int] = typer.Option(None, "--draft-cap", help="Longest draft runs with this profile make (default 4, which beat 8 by 1.06-1.17x: docs/performance/s2moe-real-size.md); verification passes are timed up to it."),
     draft_vocab: int = typer.Option(0, "--draft-vocab", min=0, help="Time C_draft with a FR-Spec draft head of the N most frequent tokens, as s2moe run --draft-vocab N drafts (0: the full head); runs with this profile draft with it unless --draft-vocab says otherwise."),
     token_ranks: Optional[str] = typer.Option(None, "--token-ranks", help="Token-ranks file for --draft-vocab (default: token_ranks.json beside the model)."),
     samples: int = typer.Option(150, "--samples", help="Timed verification passes for the cost fit (at least 10)."),
@@ -460,6 +468,8 @@ def profile(
         check_counts(**{"--samples": (samples, 10), "--n-prompts": (n_prompts, 1),
                         "--decode-tokens": (decode_tokens, 4), "--rounds": (rounds, 1),
                         "--fetch-threads": (fetch_threads, 1), "--ctx-size": (ctx_size, 2)})
+        if draft_cap is not None:
+            number("--draft-cap", draft_cap, low=1, high=256, integer=True)
         if draft_topk is not None:
             number("--draft-topk", draft_topk, low=1, integer=True)  # and at most top-k, once the model is read
         if emulate_bandwidth is not None:
@@ -475,7 +485,7 @@ def profile(
             data = run_profile(path, device, budget, workload, target, draft_topk, samples, emulate_bandwidth,
                                emulate_latency, fetch_threads, decode_tokens, resume=resume, rounds=rounds,
                                backend=backend, context=ctx_size, n_prompts=n_prompts, draft_vocab=draft_vocab,
-                               token_ranks=token_ranks)
+                               token_ranks=token_ranks, draft_cap=draft_cap)
         except KeyboardInterrupt:
             samples_path = os.path.splitext(target)[0] + ".samples.json"
             say(f"interrupted: {target} is unchanged; samples so far are in {samples_path}; "

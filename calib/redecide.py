@@ -120,6 +120,12 @@ def redraw(ar_run: dict, run: dict, cache, engine):
     return (DraftWalk(decoder, p, t) for p, t in zip(ar_run["prompts"], ar_run["texts"]))
 
 
+def ar_steers(prompts: list, texts: list, tables: int) -> bool:
+    """AR's recorded run can steer a replay: one AR step per text token past the first, in every
+    prompt, and a draft table per prompt."""
+    return len(prompts) == len(texts) == tables and all(len(k) == len(t) - 1 for (_, k), t in zip(prompts, texts))
+
+
 def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants, ar_scale: float = 1.0,
              drafts=None) -> dict:
     """``run`` (an AE method with draft tables) again, on ``cache``, priced and decided by ``costs``;
@@ -139,8 +145,8 @@ def simulate(ar_run: dict, run: dict, E: int, cache, costs: CostConstants, ar_sc
 
     prompts = per_prompt(ar_run["passes"])
     drafts = run["drafts"] if drafts is None else drafts
-    tables = len(drafts) if isinstance(drafts, list) else len(prompts)
-    if len(prompts) != len(ar_run["texts"]) or len(prompts) != tables or any(len(k) != len(t) - 1 for (_, k), t in zip(prompts, ar_run["texts"])):
+    tables = len(drafts) if isinstance(drafts, list) else len(prompts)  # a generator (redraw) has one a prompt
+    if not ar_steers(prompts, ar_run["texts"], tables):
         raise UsageError(f"the trace's AR run has {len(prompts)} prompts and {[len(k) for _, k in prompts]} AR steps "
                          f"for texts of {[len(t) for t in ar_run['texts']]} tokens: it cannot steer {run['method']}'s "
                          "replay; record it again with s2moe bench --trace, or predict --as-recorded")

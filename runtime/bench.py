@@ -80,107 +80,146 @@ def phase_bytes(report: dict) -> int:
     return sum(p["bytes_read"] for name, p in report["phases"].items() if name not in ("load", "estimate", "prefill"))
 
 
-def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str | None, n_prompts: int,
-              max_tokens: int, settings: SpecSettings, costs: CostConstants | None, params: SamplingParams,
-              progress=None, estimate=None, hot=None, engine_kw: dict | None = None,
-              live: bool = False, trace=None) -> list[Record]:
-    """``live``: AE's constants follow each method's passes (LiveCosts), from ``costs`` or the estimate.
-    ``trace``: a `TraceRecorder` that records each method's timed passes."""
-    path = resolve_workload(workload)
-    prompts = load_workload(path)[:n_prompts]
-    ids = [tokenizer.encode(p).ids[-512:] for p in prompts]  # long prompts: keep the tail
-    ids = [p for p in ids if p]
-    if "ar" in methods:
-        methods = ["ar"] + [m for m in methods if m != "ar"]  # AR first: the speedup's denominator
-    kv_positions = max(len(p) for p in ids) + max_tokens + 4 * settings.draft_cap + 8
-    draft_policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk))
-    records, throughput = [], {}
-    ar_texts = None  # AR's text per prompt: a trace's draft tables follow it
-    for name in methods:
-        spec = get_method(name)
-        engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded, **(engine_kw or {}),
-                              prefetch_slots=settings.slots_for(spec),
-                              draft_vocab=0 if spec.admit == "none" else settings.draft_vocab)
+class MethodRun:
+    """One method's engine, decoder and tallies over a workload's prompts. `s2moe bench` runs one
+    method after another; benchmarks/tune.py runs several settings prompt by prompt, taking turns.
+
+    ``costs`` None with ``estimate``: AE's start-up constants are estimated on this engine (then
+    ``self.costs``); ``live``: they follow the passes (LiveCosts)."""
+
+    def __init__(self, loaded, name: str, settings: SpecSettings, budget: str | None, kv_positions: int,
+                 first: list[int], costs: CostConstants | None, params: SamplingParams, *, hot=None,
+                 engine_kw: dict | None = None, estimate=None, live: bool = False):
+        self.name, self.settings, self.spec = name, settings, get_method(name)
+        self.engine = build_engine(loaded.path, budget, kv_positions, hot, loaded=loaded, **(engine_kw or {}),
+                                   prefetch_slots=settings.slots_for(self.spec),
+                                   draft_vocab=0 if self.spec.admit == "none" else settings.draft_vocab)
         if costs is None and estimate is not None:
-            costs = estimate(engine.model, ids[0], draft_policy,
-                             draft_head=engine.model.draft_head(settings.draft_vocab, settings.token_ranks))
-        decoder = SpeculativeDecoder(engine.model, spec, settings, costs, params, live=live and costs is not None)
-        decoder.generate(ids[0][:16], 4)  # warm-up, untimed
-        samples, acc, reuse, tokens, seconds, fetched = [], [], [], 0, 0.0, 0
-        start = engine.cache.report()
-        before = phase_bytes(start)
-        spent = {"draft": 0.0, "verify": 0.0}
-        ae = [0, 0.0, 0]  # AE's verified draft tokens: count, predicted acceptance summed, kept
-        vocab = [0, 0]  # emitted tokens inside the draft head, all emitted tokens
+            policy = RoutingPolicy(top_k=settings.draft_topk, layer_top_k=dict(settings.layer_draft_topk))
+            costs = estimate(self.engine.model, first, policy,
+                             draft_head=self.engine.model.draft_head(settings.draft_vocab, settings.token_ranks))
+        self.costs, self.params = costs, params
+        self.decoder = SpeculativeDecoder(self.engine.model, self.spec, settings, costs, params,
+                                          live=live and costs is not None)
+        self.decoder.generate(first[:16], 4)  # warm-up, untimed
+        self.samples, self.acc, self.reuse, self.texts = [], [], [], []
+        self.tokens, self.seconds = 0, 0.0
+        self.start = self.engine.cache.report()
+        self.spent = {"draft": 0.0, "verify": 0.0}
+        self.ae = [0, 0.0, 0]  # AE's verified draft tokens: count, predicted acceptance summed, kept
+        self.vocab = [0, 0]  # emitted tokens inside the draft head, all emitted tokens
         # acceptance length counts an AR step (the rate guard's, a back-off's) as one token: these
         # counts tell the draft's own acceptance apart from how often AE chose not to draft
-        steps = dict.fromkeys(("verifications", "ar_steps", "guard_steps", "backoff_steps", "draft_passes",
-                               "drafted", "accepted"), 0)
-        if trace is not None:
-            trace.start(engine.cache)
-        texts = []
-        for p in ids:
-            result = decoder.generate(p, max_tokens)
-            texts.append(result.tokens)
-            spent["draft"] += result.metrics.draft_seconds
-            spent["verify"] += result.metrics.verify_seconds
-            ae = [ae[0] + result.metrics.ae_tokens, ae[1] + result.metrics.ae_predicted, ae[2] + result.metrics.ae_kept]
-            vocab = [vocab[0] + result.metrics.vocab_covered, vocab[1] + result.metrics.vocab_tokens]
-            for k in steps:
-                steps[k] += getattr(result.metrics, k)
-            st = result.stats()
-            samples.append(result.decode_tokens_per_s)
-            acc.append(st["acceptance_length"])
-            if st["reuse_ratio"] is not None:
-                reuse.append(st["reuse_ratio"])
-            tokens += len(result.tokens) - 1
-            seconds += result.decode_seconds
-            if progress:
-                progress(name)
-        if trace is not None:
-            trace.stop(name, tokens, seconds, texts, settings.trace_dict(decoder.guard is not None), ids)
-            if name == "ar":
-                ar_texts = texts
-            elif spec.admit == "utility" and params.greedy and ar_texts is not None:
-                trace.record_drafts(decoder, ids, ar_texts)  # untimed, after the run
-        end = engine.cache.report()
-        fetched = phase_bytes(end) - before
-        breakdown = time_breakdown(start, end, spent, seconds, tokens)
-        engine.close()
-        emulation = engine.emulation.describe() if engine.emulation.active else None
-        live_now = decoder.live.current().to_dict() if decoder.live else None
-        guard = decoder.guard.to_dict() if decoder.guard else None  # its state carries across the prompts
-        trial = decoder.trial.to_dict() if decoder.trial else None  # (so does the prefetch trial's)
-        engine = decoder = None  # the next method's engine loads its experts into freed memory
-        throughput[name] = tokens / seconds if seconds else 0.0
-        records.append(Record(
-            "bench", name, "tok/s", samples,
-            params={"method": name, "workload": path.name, "budget": budget or "1.0", "n_prompts": len(ids),
+        self.steps = dict.fromkeys(("verifications", "ar_steps", "guard_steps", "backoff_steps", "draft_passes",
+                                    "drafted", "accepted"), 0)
+
+    def run(self, prompt: list[int], max_tokens: int):
+        result = self.decoder.generate(prompt, max_tokens)
+        m = result.metrics
+        self.texts.append(result.tokens)
+        self.spent["draft"] += m.draft_seconds
+        self.spent["verify"] += m.verify_seconds
+        self.ae = [self.ae[0] + m.ae_tokens, self.ae[1] + m.ae_predicted, self.ae[2] + m.ae_kept]
+        self.vocab = [self.vocab[0] + m.vocab_covered, self.vocab[1] + m.vocab_tokens]
+        for k in self.steps:
+            self.steps[k] += getattr(m, k)
+        st = result.stats()
+        self.samples.append(result.decode_tokens_per_s)
+        self.acc.append(st["acceptance_length"])
+        if st["reuse_ratio"] is not None:
+            self.reuse.append(st["reuse_ratio"])
+        self.tokens += len(result.tokens) - 1
+        self.seconds += result.decode_seconds
+        return result
+
+    def finish(self, workload: str, budget: str | None, top_k: int, max_tokens: int) -> Record:
+        """Close the engine and give the record (speedup fields are the caller's)."""
+        end = self.engine.cache.report()
+        fetched = phase_bytes(end) - phase_bytes(self.start)
+        breakdown = time_breakdown(self.start, end, self.spent, self.seconds, self.tokens)
+        self.engine.close()
+        d, s, steps = self.decoder, self.settings, self.steps
+        emulation = self.engine.emulation.describe() if self.engine.emulation.active else None
+        live_now = d.live.current().to_dict() if d.live else None
+        guard = d.guard.to_dict() if d.guard else None  # its state carries across the prompts
+        trial = d.trial.to_dict() if d.trial else None  # (so does the prefetch trial's)
+        self.engine = self.decoder = None  # the next method's engine loads its experts into freed memory
+        p = self.params
+        return Record(
+            "bench", self.name, "tok/s", self.samples,
+            params={"method": self.name, "workload": workload, "budget": budget or "1.0", "n_prompts": len(self.samples),
                     "emulation": emulation,
-                    "max_tokens": max_tokens, "draft_topk": settings.draft_topk, "draft_cap": settings.draft_cap,
-                    "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                    "min_p": params.min_p, "draws": params.draws, "acceptance": settings.acceptance,
-                    "draft_vocab": settings.draft_vocab, "gating": settings.gating(spec, loaded.config.top_k)},
-            extra={"acceptance_length": statistics.mean(a for a in acc if a is not None),
-                   "reuse_ratio": statistics.mean(reuse) if reuse else None,
-                   "bytes_fetched_per_token": fetched / max(tokens, 1),
-                   "decode_tokens_per_s_aggregate": throughput[name],
+                    "max_tokens": max_tokens, "draft_topk": s.draft_topk, "draft_cap": s.draft_cap,
+                    "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                    "min_p": p.min_p, "draws": p.draws, "acceptance": s.acceptance,
+                    "draft_vocab": s.draft_vocab, "gating": s.gating(self.spec, top_k)},
+            extra={"acceptance_length": statistics.mean(a for a in self.acc if a is not None),
+                   "reuse_ratio": statistics.mean(self.reuse) if self.reuse else None,
+                   "bytes_fetched_per_token": fetched / max(self.tokens, 1),
+                   "decode_tokens_per_s_aggregate": self.tokens / self.seconds if self.seconds else 0.0,
                    "ms_per_token": breakdown,
-                   "prefetch": prefetch_counts(start, end),
+                   "prefetch": prefetch_counts(self.start, end),
                    "prefetch_trial": trial,
-                   "cost_constants": costs.to_dict() if costs else None,
+                   "cost_constants": self.costs.to_dict() if self.costs else None,
                    "live_costs": live_now,
                    "rate_guard": guard,
                    "steps": steps,
                    "tokens_per_verification": ((steps["accepted"] + steps["verifications"]) / steps["verifications"]
                                                if steps["verifications"] else None),
                    # how well AE's acceptance probabilities matched what verification kept
-                   "ae_acceptance": acceptance_summary(*ae),
+                   "ae_acceptance": acceptance_summary(*self.ae),
                    # FR-Spec: the share of emitted tokens the draft head could have proposed
-                   "draft_vocab_coverage": vocab[0] / vocab[1] if vocab[1] else None},
-        ))
-    base = throughput.get("ar")
+                   "draft_vocab_coverage": self.vocab[0] / self.vocab[1] if self.vocab[1] else None},
+        )
+
+
+def workload_ids(tokenizer, workload: str, n_prompts: int) -> tuple[Path, list[list[int]]]:
+    """The workload's first ``n_prompts`` prompts as token ids (a long prompt keeps its tail)."""
+    path = resolve_workload(workload)
+    ids = [tokenizer.encode(p).ids[-512:] for p in load_workload(path)[:n_prompts]]
+    return path, [p for p in ids if p]
+
+
+def kv_positions_for(ids: list[list[int]], max_tokens: int, settings: SpecSettings) -> int:
+    return max(len(p) for p in ids) + max_tokens + 4 * settings.draft_cap + 8
+
+
+def run_bench(loaded, tokenizer, workload: str, methods: list[str], budget: str | None, n_prompts: int,
+              max_tokens: int, settings: SpecSettings, costs: CostConstants | None, params: SamplingParams,
+              progress=None, estimate=None, hot=None, engine_kw: dict | None = None,
+              live: bool = False, trace=None) -> list[Record]:
+    """``live``: AE's constants follow each method's passes (LiveCosts), from ``costs`` or the estimate.
+    ``trace``: a `TraceRecorder` that records each method's timed passes."""
+    path, ids = workload_ids(tokenizer, workload, n_prompts)
+    if "ar" in methods:
+        methods = ["ar"] + [m for m in methods if m != "ar"]  # AR first: the speedup's denominator
+    kv_positions = kv_positions_for(ids, max_tokens, settings)
+    records = []
+    ar_texts = None  # AR's text per prompt: a trace's draft tables follow it
+    for name in methods:
+        run = MethodRun(loaded, name, settings, budget, kv_positions, ids[0], costs, params, hot=hot,
+                        engine_kw=engine_kw, estimate=estimate, live=live)
+        costs = run.costs  # estimated once, for every method
+        if trace is not None:
+            trace.start(run.engine.cache)
+        for p in ids:
+            run.run(p, max_tokens)
+            if progress:
+                progress(name)
+        if trace is not None:
+            trace.stop(name, run.tokens, run.seconds, run.texts, settings.trace_dict(run.decoder.guard is not None), ids)
+            if name == "ar":
+                ar_texts = run.texts
+            elif run.spec.admit == "utility" and params.greedy and ar_texts is not None:
+                trace.record_drafts(run.decoder, ids, ar_texts)  # untimed, after the run
+        records.append(run.finish(path.name, budget, loaded.config.top_k, max_tokens))
+    with_speedups(records)
+    return records
+
+
+def with_speedups(records: list[Record], base_name: str = "ar") -> None:
+    """Each record's tok/s summary and its aggregate throughput over ``base_name``'s (None without it)."""
+    base = next((r.extra["decode_tokens_per_s_aggregate"] for r in records if r.name == base_name), None)
     for r in records:
         r.extra["decode_tokens_per_s"] = {"median": r.median, "samples": r.samples}
         r.extra["speedup_vs_ar"] = r.extra["decode_tokens_per_s_aggregate"] / base if base else None
-    return records

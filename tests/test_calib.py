@@ -179,7 +179,8 @@ def test_interrupted_profile_leaves_existing_profile_untouched(calib_model, tmp_
 
 def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     """Also a FR-Spec draft head: the profile times C_draft with it and records it, and a run with
-    the profile drafts with it (or fails in one line naming the profile when it cannot)."""
+    the profile drafts with it (or fails in one line naming the profile when it cannot); and a
+    draft cap, which the profile carries to the runs that use it."""
     out = tmp_path / "tiny.json"
     with open(os.path.join(calib_model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -189,9 +190,15 @@ def test_profile_validate_and_run_end_to_end(calib_model, tmp_path):
     head = vocab // 2
     r = calib("profile", "--device", "cpu", "-m", calib_model, "-w", WORKLOAD, "--out", str(out),
               "--samples", "30", "--decode-tokens", "6", "--budget", "0.5", "--draft-vocab", str(head),
-              "--token-ranks", str(ranks))
+              "--token-ranks", str(ranks), "--draft-cap", "3")
     assert r.returncode == 0, r.stderr
     prof = load_profile(str(out))
+    assert prof.speculative["draft_cap"] == 3
+    from s2moe.runtime.cli.spec_options import make_settings
+    from s2moe.runtime.model.loader import load_model
+    config = load_model(calib_model).config
+    assert make_settings(config, None, None, None, None, "paper", profile=prof).draft_cap == 3
+    assert make_settings(config, None, 5, None, None, "paper", profile=prof).draft_cap == 5  # a flag wins
     assert prof.data["source"] == "measured" and prof.data["budget"]["spec"] == "0.5"
     assert prof.speculative["draft_vocab"] == head
     assert prof.data["cost_model"]["c_draft_head"] == f"the {head} most frequent tokens"

@@ -57,7 +57,8 @@ def test_a_seeded_sampled_run_prints_ars_text(tiny_model_dirs):
     _, folder, _ = tiny_model_dirs["olmoe"]
     # T 0.3: the tiny models' laws are flat, and at T 0.8 a draft this close to its target is never refused
     common = ("run", "-m", folder, "-p", "import os", "-n", "16", "-t", "0.3", "--seed", "5", "--json")
-    spec = json.loads(s2moe(*common, "--method", "ca", "--budget", "0.5").stdout)
+    # cap 8: drafts long enough that both verdicts occur in 16 tokens at this seed
+    spec = json.loads(s2moe(*common, "--method", "ca", "--budget", "0.5", "--draft-cap", "8").stdout)
     ar = json.loads(s2moe(*common, "--method", "ar").stdout)
     assert spec["tokens"] == ar["tokens"] and spec["stats"]["sampling"]["draws"] == "coupled"
     assert 0 < spec["stats"]["acceptance_rate"] < 1  # it drafted, and both verdicts occurred

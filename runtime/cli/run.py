@@ -24,7 +24,7 @@ def run(
     ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", min=16, help="Context length in tokens, prompt included (default: the model's trained length)."),
     method: str = typer.Option("s2moe", "--method", help="ar, es, confidence, cascade, ca, ca+ae, s2moe."),
     draft_topk: Optional[str] = typer.Option(None, "--draft-topk", help="Draft experts per token: K, or K,LAYER:K,… (default: from the profile, else k/4 for k ≥ 6, k/2 below)."),
-    draft_cap: Optional[int] = typer.Option(None, "--draft-cap", help="Most draft tokens per verification (default: profile, else 8)."),
+    draft_cap: Optional[int] = typer.Option(None, "--draft-cap", help="Most draft tokens per verification (default: profile, else 4)."),
     reuse_cap: Optional[int] = typer.Option(None, "--reuse-cap", help="Reuse-aware gating's preferred-set size (default 2×k)."),
     utility_threshold: Optional[float] = typer.Option(None, "--utility-threshold", help="Admit a draft token while U_i ≥ this (default: profile, else 1)."),
     ae_lookahead: int = typer.Option(SpecSettings.ae_lookahead, "--ae-lookahead", help="AE drafts until this many tokens past the prefix of largest summed gain, and verifies that prefix (1: stop at the first token with U_i < threshold, the paper's rule)."),

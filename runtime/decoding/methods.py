@@ -61,7 +61,9 @@ _DRAW = ("draft_topk", "draft_resident", "draft_fallback", "draft_vocab", "token
 class SpecSettings:
     draft_topk: int = 2
     layer_draft_topk: dict = field(default_factory=dict)  # per-layer override
-    draft_cap: int = 8
+    # 4, not the paper's longer drafts: side by side, cap 4 ran 1.17x cap 8 at OLMoE-1B-7B's size
+    # (25 %), 1.06x at 10 %, 1.08x on the embedded model (benchmarks/tune.py, s2moe-real-size.md)
+    draft_cap: int = 4
     reuse_cap: int | None = None  # None: 2 × target k
     utility_threshold: float = 1.0
     # AE drafts until this many tokens past the prefix of largest summed gain (or until the tokens
