@@ -158,6 +158,14 @@ def calibration_records(path: str, out: str, dry: bool, clock: Clock) -> list:
     quick = ["--samples", "10", "--n-prompts", "1", "--decode-tokens", "4", "--rounds", "1", "--draft-topk", "4"]
     full = ["--samples", "40", "--n-prompts", "4", "--decode-tokens", "12", "--rounds", "3"]
     check = ["--n-prompts", "2", "-n", "6" if dry else "16", "--rounds", "1" if dry else "3"]
+    if dry:  # routing traces cover the whole workload: 8 short prompts instead of 56 long ones
+        from s2moe.runtime.prompts import load_workload
+
+        small = out + "-workload.jsonl"
+        texts = load_workload(os.path.join(ROOT, "runtime", "assets", "prompts", "default.jsonl"))[:8]
+        with open(small, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"prompt": t[:160]}) + "\n" for t in texts)
+        quick += ["--workload", small]
 
     def calib(*args):
         try:
