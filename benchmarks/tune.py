@@ -149,7 +149,8 @@ def print_summary(records: list[Record], labels: list[str], reference: str) -> N
         reuse = [x["reuse_ratio"] for x in xs if x["reuse_ratio"] is not None]
         changed = by[(workloads[0], label)].params["changed"]
         method = by[(workloads[0], label)].params["method"]
-        setting = ", ".join(f"{k}={v}" for k, v in changed.items()) or ("AR" if method == "ar" else "defaults")
+        named = ([] if method == "s2moe" else ["AR" if method == "ar" else f"method={method}"])
+        setting = ", ".join(named + [f"{k}={v}" for k, v in changed.items()]) or "defaults"
         print(f"| {label} | {setting} | " + " | ".join(cells) + f" | **{pooled}** | "
               + " / ".join(f"{x['decode_tokens_per_s_aggregate']:.1f}" for x in xs) + " | "
               + " / ".join(f"{x['acceptance_length']:.2f}" for x in xs) + " | "
