@@ -31,6 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import Record, machine_info, write_outputs  # noqa: E402
+from s2moe.runtime.decoding.methods import METHODS  # noqa: E402
 
 WORKLOADS = ("humaneval", "gsm8k", "mt-bench")
 PARTS = ("draft_compute", "verify_compute", "other_compute", "fetch_critical", "fetch_hidden", "total")
@@ -44,6 +45,8 @@ def parse_arm(text: str, base, validate) -> tuple[str, str, object, dict]:
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if key == "method" and eq:
+            if value not in METHODS:  # before the model loads, not after
+                sys.exit(f"--arm {text!r}: method {value!r}: choose from {', '.join(METHODS)}")
             method = value
             continue
         if key not in fields or not eq:

@@ -76,8 +76,8 @@ def test_every_kernel_compiles(arch, tmp_path):
         jobs[name] = subprocess.Popen([nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", *include, str(src),
                                        "-o", str(tmp_path / f"{src.stem}.{arch}.cubin")],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    failed = {name: job.communicate()[1] for name, job in jobs.items()}  # wait for all before judging
-    failed = {name: err for name, err in failed.items() if jobs[name].returncode != 0}
+    errors = {name: job.communicate()[1] for name, job in jobs.items()}  # wait for all before judging
+    failed = {name: err for name, err in errors.items() if jobs[name].returncode != 0}
     assert not failed, "\n".join(f"{name} for {arch}:\n{err}" for name, err in failed.items())
 
 
