@@ -158,13 +158,13 @@ def calibration_records(path: str, out: str, dry: bool, clock: Clock) -> list:
     quick = ["--samples", "10", "--n-prompts", "1", "--decode-tokens", "4", "--rounds", "1", "--draft-topk", "4"]
     full = ["--samples", "40", "--n-prompts", "4", "--decode-tokens", "12", "--rounds", "3"]
     check = ["--n-prompts", "2", "-n", "6" if dry else "16", "--rounds", "1" if dry else "3"]
-    if dry:  # routing traces cover the whole workload: 8 short prompts instead of 56 long ones
+    if dry:  # routing traces cover the whole workload: 8 short prompts (~25 tokens) instead of 56 long ones
         from s2moe.runtime.prompts import load_workload
 
         small = out + "-workload.jsonl"
         texts = load_workload(os.path.join(ROOT, "runtime", "assets", "prompts", "default.jsonl"))[:8]
         with open(small, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps({"prompt": t[:160]}) + "\n" for t in texts)
+            f.writelines(json.dumps({"prompt": t[:96]}) + "\n" for t in texts)
         quick += ["--workload", small]
 
     def calib(*args):
@@ -194,7 +194,7 @@ def calibration_records(path: str, out: str, dry: bool, clock: Clock) -> list:
 TESTS = ["tests/gpu", "tests/test_csrc.py"]
 
 
-def run_tests() -> int:
+def run_tests(paths: list) -> int:
     """The GPU tests, with only what the `cuda` extra installs: tests/conftest.py (torch, for the
     reference models) is not loaded. Exit status 0 when they pass or skip, else pytest's."""
     import importlib.util
@@ -203,7 +203,7 @@ def run_tests() -> int:
         print("skipped: the GPU tests: pytest is not installed (pip install 's2moe[cuda]' brings it)")
         return 0
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "--noconftest", "-p", "no:cacheprovider",
-                        *TESTS], cwd=ROOT)
+                        *paths], cwd=ROOT)
     if r.returncode == 5:  # nothing collected
         print("skipped: the GPU tests: pytest collected none")
         return 0
@@ -250,6 +250,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=600, help="start no step past this many seconds")
     ap.add_argument("--reps", type=int, default=200, help="kernel timing repetitions")
     ap.add_argument("--no-tests", action="store_true", help="skip step 1 (CI runs the tests itself)")
+    ap.add_argument("--tests", nargs="+", default=TESTS, metavar="PATH",
+                    help=f"pytest paths or node ids for step 1 (default: {' '.join(TESTS)})")
     args = ap.parse_args()
     clock = Clock(args.budget_s)
     dry = args.dry_run
@@ -259,7 +261,7 @@ def main() -> None:
     from s2moe.runtime.kernels.backend import cuda_unusable_reason
 
     reason = cuda_unusable_reason()  # a device, and a matmul and a RawKernel that run on it
-    status = 0 if args.no_tests else run_tests()
+    status = 0 if args.no_tests else run_tests(args.tests)
     if reason is not None:
         for part in ("csrc kernel timings", "decode tokens/s on CuPy (file and host tiers)",
                      "calibration on CuPy (profile + validate)"):
@@ -276,7 +278,7 @@ def main() -> None:
 
     path = args.model or step("real-size file", lambda: make_file(args.models, dry))
     records = step("kernels", lambda: kernel_records(3 if dry else args.reps))
-    records += step("decode", lambda: decode_records(path, 2 if dry else 4, 3 if dry else 32, clock, dry))
+    records += step("decode", lambda: decode_records(path, 1 if dry else 4, 3 if dry else 32, clock, dry))
     if clock.left() > 120 or dry:
         records += step("calibration", lambda: calibration_records(path, out, dry, clock))
     else:
