@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -276,7 +277,8 @@ def test_the_gpu_benchmark_exits_0_without_a_gpu_and_needs_no_torch(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for part in ("csrc kernel timings", "decode tokens/s on CuPy", "calibration on CuPy"):
         assert f"skipped: {part}" in r.stdout and "CuPy is not installed" in r.stdout
-    assert " passed" in r.stdout and " skipped" in r.stdout and "failed" not in r.stdout
+    # the quick host test's 3 cases pass (--tests reached pytest), every GPU test skips
+    assert re.search(r"\b3 passed, \d+ skipped", r.stdout) and "failed" not in r.stdout, r.stdout[-2000:]
     assert "SKIPPED" in r.stdout and "GPU test: CuPy is not installed" in r.stdout  # each skip with its reason
 
 
