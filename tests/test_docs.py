@@ -231,7 +231,7 @@ def test_each_figure_exists_and_is_shown(image):
 
 def _cited(text: str, files: set[str]) -> set[str]:
     """Results files a page cites: an exact path, a stem glob (`docs/results/peer.*`), a brace list
-    or a folder (`docs/results/predict-default/`)."""
+    or a folder (`docs/results/predict-default/`); not the results folder named in general."""
     hits = set()
     for cite in re.findall(r"docs/results/[^\s`)(\[\]'\",;|]*", text):
         cite = cite.rstrip(".:")
@@ -239,6 +239,8 @@ def _cited(text: str, files: set[str]) -> set[str]:
         if m := re.search(r"\{([^{}]*)\}", cite):
             alts = [cite[:m.start()] + a + cite[m.end():] for a in m.group(1).split(",")]
         for c in alts:
+            if c.rstrip("/") == "docs/results" or re.fullmatch(r"docs/results/\*[^/]*", c):
+                continue  # the folder in general (`docs/results/`, `docs/results/*.json`) cites no record
             if c.endswith("/") or os.path.isdir(os.path.join(ROOT, c)):
                 hits |= {f for f in files if f.startswith(c.rstrip("/") + "/")}
             elif "*" in c:
